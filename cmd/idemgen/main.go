@@ -1,0 +1,191 @@
+// Command idemgen generates idempotent wrappers for functions annotated with
+// //idem: directives. Usage:
+//
+//	idemgen [gen] [-tags list] [packages]     write idem_gen.go files (default ".")
+//	idemgen check [-tags list] [packages]     exit 0 if generated code is current, 1 if not
+//	idemgen diff  [-tags list] [packages]     print what gen would change; exit like check
+//	idemgen schema                            print the SQL schema runtime.Migrate applies
+//
+// check and diff never write, and exit 2 on an error, like diff(1).
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+
+	"github.com/rogpeppe/go-internal/diff"
+
+	"github.com/idemgen/idemgen/generator"
+	"github.com/idemgen/idemgen/runtime"
+)
+
+// Exit codes. check and diff follow diff(1): 0 same, 1 different, 2 trouble.
+const (
+	exitOK      = 0
+	exitDiffers = 1
+	exitError   = 2
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cmd := "gen"
+	if len(args) > 0 {
+		switch args[0] {
+		case "gen", "check", "diff", "schema":
+			cmd, args = args[0], args[1:]
+		case "help", "-h", "-help", "--help":
+			fmt.Fprint(stdout, usage)
+			return exitOK
+		}
+	}
+	fset := flag.NewFlagSet("idemgen "+cmd, flag.ContinueOnError)
+	fset.SetOutput(stderr)
+	fset.Usage = func() { fmt.Fprint(stderr, usage) }
+	tags := fset.String("tags", "", "comma-separated build tags, as for go build")
+	if err := fset.Parse(args); err != nil {
+		return exitError
+	}
+	cfg := generator.Config{}
+	if *tags != "" {
+		cfg.BuildFlags = []string{"-tags=" + *tags}
+	}
+
+	switch cmd {
+	case "schema":
+		fmt.Fprint(stdout, runtime.Schema())
+		return exitOK
+	case "gen":
+		files, err := generator.Generate(ctx, cfg, fset.Args()...)
+		if err != nil {
+			fmt.Fprintln(stderr, err)
+			return 1
+		}
+		if err := write(files); err != nil {
+			fmt.Fprintln(stderr, "idemgen:", err)
+			return 1
+		}
+		return exitOK
+	default: // check, diff
+		files, err := generator.Generate(ctx, cfg, fset.Args()...)
+		if err != nil {
+			fmt.Fprintln(stderr, err)
+			return exitError
+		}
+		return compare(files, cmd == "diff", stdout, stderr)
+	}
+}
+
+const usage = `usage:
+  idemgen [gen] [-tags list] [packages]   write idem_gen.go for each package with //idem: directives
+  idemgen check [-tags list] [packages]   exit 0 if generated code is current, 1 if not, 2 on error
+  idemgen diff  [-tags list] [packages]   print the unified diff gen would apply; exit codes as check
+  idemgen schema                          print the SQL that runtime.Migrate applies
+packages default to "."; GOFLAGS and the go command's environment apply.
+`
+
+// write brings the tree in line with files: writes what changed (leaving
+// unchanged files untouched, so their mtime stays) and deletes orphans.
+func write(files []generator.File) error {
+	for _, f := range files {
+		old, err := os.ReadFile(f.Path)
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+		switch {
+		case f.Content == nil:
+			if err := os.Remove(f.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return err
+			}
+		case err == nil && bytes.Equal(old, f.Content):
+		default:
+			// Write to a temporary file and rename, so an interrupted run
+			// never leaves a half-written file behind.
+			tmp, err := os.CreateTemp(filepath.Dir(f.Path), ".idem_gen-*.tmp")
+			if err != nil {
+				return err
+			}
+			if _, err := tmp.Write(f.Content); err != nil {
+				tmp.Close()
+				os.Remove(tmp.Name())
+				return err
+			}
+			if err := tmp.Close(); err != nil {
+				os.Remove(tmp.Name())
+				return err
+			}
+			if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+				os.Remove(tmp.Name())
+				return err
+			}
+			if err := os.Rename(tmp.Name(), f.Path); err != nil {
+				os.Remove(tmp.Name())
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// compare reports how the tree differs from files: a changed, missing or
+// orphaned generated file. With printDiff it prints a unified diff, else the
+// names of the files that differ.
+func compare(files []generator.File, printDiff bool, stdout, stderr io.Writer) int {
+	code := exitOK
+	for _, f := range files {
+		old, err := os.ReadFile(f.Path)
+		missing := errors.Is(err, fs.ErrNotExist)
+		if err != nil && !missing {
+			fmt.Fprintln(stderr, "idemgen:", err)
+			return exitError
+		}
+		if bytes.Equal(old, f.Content) && (f.Content != nil) == !missing {
+			continue
+		}
+		code = exitDiffers
+		name := relPath(f.Path)
+		if printDiff {
+			oldName, newName := name, name
+			if missing {
+				oldName = "/dev/null"
+			}
+			if f.Content == nil {
+				newName = "/dev/null"
+			}
+			stdout.Write(diff.Diff(oldName, old, newName, f.Content))
+			continue
+		}
+		switch {
+		case missing:
+			fmt.Fprintf(stdout, "%s: missing; run idemgen\n", name)
+		case f.Content == nil:
+			fmt.Fprintf(stdout, "%s: orphaned (no //idem: directives left); run idemgen to delete it\n", name)
+		default:
+			fmt.Fprintf(stdout, "%s: out of date; run idemgen\n", name)
+		}
+	}
+	return code
+}
+
+func relPath(path string) string {
+	if wd, err := os.Getwd(); err == nil {
+		if r, err := filepath.Rel(wd, path); err == nil {
+			return r
+		}
+	}
+	return path
+}

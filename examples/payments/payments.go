@@ -1,0 +1,67 @@
+package main
+
+//go:generate go run github.com/idemgen/idemgen/cmd/idemgen
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemgen/idemgen/examples/payments/db"
+	idem "github.com/idemgen/idemgen/runtime"
+)
+
+// ChargeRequest is the body of POST /payments.
+type ChargeRequest struct {
+	OrderID  string `json:"order_id"`
+	Amount   int64  `json:"amount"`
+	Currency string `json:"currency"`
+}
+
+// PaymentReceipt is the response of POST /payments.
+type PaymentReceipt struct {
+	ChargeID    int64     `json:"charge_id"`
+	OrderID     string    `json:"order_id"`
+	Amount      int64     `json:"amount"`
+	Currency    string    `json:"currency"`
+	ProviderKey string    `json:"provider_key"`
+	CreatedAt   time.Time `json:"created_at"`
+}
+
+// PaymentService charges orders.
+type PaymentService struct{}
+
+// Charge records a charge for an order. idemgen wraps it so that each
+// Idempotency-Key charges once, however often the client retries.
+//
+//idem:http route="POST /payments" status=201 ttl=24h
+func (s *PaymentService) Charge(ctx context.Context, tx pgx.Tx, req ChargeRequest) (PaymentReceipt, error) {
+	if req.OrderID == "" || req.Amount <= 0 || len(req.Currency) != 3 {
+		return PaymentReceipt{}, idem.Errorf(http.StatusUnprocessableEntity,
+			"order_id, a positive amount and a 3-letter currency are required")
+	}
+	// The payment provider gets a key derived from ours: the same on every
+	// retry of this charge, so the provider can deduplicate too.
+	key, _ := idem.KeyFromContext(ctx)
+	charge, err := db.New(tx).InsertCharge(ctx, db.InsertChargeParams{
+		OrderID:     req.OrderID,
+		Amount:      req.Amount,
+		Currency:    req.Currency,
+		ProviderKey: key.Derive("provider.charge"),
+	})
+	if err != nil {
+		return PaymentReceipt{}, fmt.Errorf("insert charge: %w", err)
+	}
+	idem.ResponseHeader(ctx).Set("Location", fmt.Sprintf("/payments/%d", charge.ID))
+	return PaymentReceipt{
+		ChargeID:    charge.ID,
+		OrderID:     charge.OrderID,
+		Amount:      charge.Amount,
+		Currency:    charge.Currency,
+		ProviderKey: charge.ProviderKey,
+		CreatedAt:   charge.CreatedAt.Time,
+	}, nil
+}

@@ -1,0 +1,336 @@
+package generator
+
+import (
+	"fmt"
+	"go/token"
+	"net/http"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+)
+
+// directivePrefix starts every idemgen directive. Like //go:generate, there is
+// no space after the slashes; go/ast's CommentGroup.Text drops such lines, so
+// directives are read from CommentGroup.List.
+const directivePrefix = "//idem:"
+
+// A Directive is one parsed //idem: line.
+type Directive struct {
+	Kind    string         // http, consume or outbox
+	Pos     token.Position // of the "//"
+	Options []Option       // in source order; names are unique
+}
+
+// An Option is one name=value pair of a directive.
+type Option struct {
+	Name  string
+	Value string // unquoted
+	Pos   token.Position
+}
+
+// Option returns the value of the named option, and whether it was given.
+func (d *Directive) Option(name string) (Option, bool) {
+	for _, o := range d.Options {
+		if o.Name == name {
+			return o, true
+		}
+	}
+	return Option{}, false
+}
+
+// target is what a directive kind may annotate.
+type target int
+
+const (
+	targetFunc target = iota
+	targetType
+)
+
+// kindSpec is the grammar of one directive kind.
+type kindSpec struct {
+	target   target
+	options  map[string]func(string) error // validators
+	required []string
+	shape    string // what the annotated declaration must look like, for errors
+}
+
+// kinds is the whole directive grammar. Generate parses every kind; see
+// emitters in generator.go for which kinds it can generate code for.
+var kinds = map[string]kindSpec{
+	"http": {
+		target: targetFunc,
+		options: map[string]func(string) error{
+			"route":  validRoute,
+			"status": validStatus,
+			"ttl":    validPositiveDuration,
+			"header": validHeaderName,
+			"scope":  validNonEmpty,
+			"wait":   validNonNegativeDuration,
+			"key":    oneOf("required", "optional"),
+		},
+		shape: "func(ctx context.Context, tx pgx.Tx, req Req) (Resp, error)",
+	},
+	"consume": {
+		target: targetFunc,
+		options: map[string]func(string) error{
+			"topic":   validNonEmpty,
+			"context": validNonEmpty,
+			"id":      validIdent,
+		},
+		required: []string{"topic"},
+		shape:    "func(ctx context.Context, tx pgx.Tx, ev Event) error",
+	},
+	"outbox": {
+		target: targetType,
+		options: map[string]func(string) error{
+			"topic": validNonEmpty,
+			"key":   validIdent,
+		},
+		required: []string{"topic"},
+		shape:    "a struct type",
+	},
+}
+
+// parseDirective parses text, a comment starting with directivePrefix, at pos.
+// It returns the directive (nil if the kind is unknown) and every problem
+// found, each at the column of the offending part.
+func parseDirective(text string, pos token.Position) (*Directive, []*Error) {
+	var errs []*Error
+	at := func(off int) token.Position {
+		p := pos
+		p.Column += off
+		p.Offset += off
+		return p
+	}
+	fail := func(off int, format string, args ...any) {
+		errs = append(errs, &Error{Pos: at(off), Msg: fmt.Sprintf(format, args...)})
+	}
+
+	i := len(directivePrefix)
+	start := i
+	for i < len(text) && !isSpace(text[i]) {
+		i++
+	}
+	kind := text[start:i]
+	spec, ok := kinds[kind]
+	if !ok {
+		names := sortedKeys(kinds)
+		if kind == "" {
+			fail(start, "missing directive kind after //idem: (want one of %s)", strings.Join(names, ", "))
+		} else {
+			fail(start, "unknown directive //idem:%s%s (want one of %s)", kind, didYouMean(kind, names), strings.Join(names, ", "))
+		}
+		return nil, errs
+	}
+	d := &Directive{Kind: kind, Pos: pos}
+
+	for {
+		for i < len(text) && isSpace(text[i]) {
+			i++
+		}
+		if i >= len(text) {
+			break
+		}
+		nameStart := i
+		for i < len(text) && text[i] != '=' && !isSpace(text[i]) {
+			i++
+		}
+		name := text[nameStart:i]
+		if i >= len(text) || text[i] != '=' {
+			fail(nameStart, "option %q of //idem:%s has no value: write %s=VALUE", name, kind, name)
+			continue
+		}
+		i++ // '='
+		valStart := i
+		var value string
+		if i < len(text) && (text[i] == '"' || text[i] == '`') {
+			q, err := strconv.QuotedPrefix(text[i:])
+			if err != nil {
+				fail(valStart, "option %s of //idem:%s: unterminated or invalid quoted value", name, kind)
+				break
+			}
+			value, _ = strconv.Unquote(q)
+			i += len(q)
+			if i < len(text) && !isSpace(text[i]) {
+				fail(i, "option %s of //idem:%s: want a space after the quoted value", name, kind)
+				for i < len(text) && !isSpace(text[i]) {
+					i++
+				}
+				continue
+			}
+		} else {
+			for i < len(text) && !isSpace(text[i]) {
+				i++
+			}
+			value = text[valStart:i]
+		}
+
+		validate, known := spec.options[name]
+		switch {
+		case name == "":
+			fail(nameStart, "missing option name before '=' in //idem:%s", kind)
+		case !known:
+			names := sortedKeys(spec.options)
+			fail(nameStart, "unknown option %q for //idem:%s%s (valid options: %s)", name, kind, didYouMean(name, names), strings.Join(names, ", "))
+		case hasOption(d, name):
+			fail(nameStart, "option %s given twice in //idem:%s", name, kind)
+		default:
+			if err := validate(value); err != nil {
+				fail(valStart, "option %s of //idem:%s: %v", name, kind, err)
+				continue
+			}
+			d.Options = append(d.Options, Option{Name: name, Value: value, Pos: at(nameStart)})
+		}
+	}
+	for _, r := range spec.required {
+		if !hasOption(d, r) {
+			fail(0, "//idem:%s needs option %s=...", kind, r)
+		}
+	}
+	return d, errs
+}
+
+func hasOption(d *Directive, name string) bool {
+	_, ok := d.Option(name)
+	return ok
+}
+
+func isSpace(c byte) bool { return c == ' ' || c == '\t' }
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
+// didYouMean suggests the closest of names to s, if one is close enough to be
+// a typo.
+func didYouMean(s string, names []string) string {
+	best, bestDist := "", 3
+	for _, n := range names {
+		if d := editDistance(strings.ToLower(s), n); d < bestDist {
+			best, bestDist = n, d
+		}
+	}
+	if best == "" {
+		return ""
+	}
+	return fmt.Sprintf("; did you mean %q?", best)
+}
+
+// editDistance is the Levenshtein distance between a and b.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+// Option validators. Each returns an error that completes the sentence
+// "option NAME of //idem:KIND: ...".
+
+func validNonEmpty(v string) error {
+	if strings.TrimSpace(v) == "" {
+		return fmt.Errorf("must not be empty")
+	}
+	return nil
+}
+
+func validIdent(v string) error {
+	if !token.IsIdentifier(v) {
+		return fmt.Errorf("%q is not a Go field name", v)
+	}
+	if !token.IsExported(v) {
+		return fmt.Errorf("field %s is unexported; JSON encoding only sees exported fields", v)
+	}
+	return nil
+}
+
+func validRoute(v string) error {
+	method, path, hasMethod := strings.Cut(v, " ")
+	if !hasMethod {
+		method, path = "", v
+	}
+	if hasMethod && (method == "" || strings.ToUpper(method) != method || strings.IndexFunc(method, func(r rune) bool { return !unicode.IsLetter(r) }) >= 0) {
+		return fmt.Errorf("%q: want \"METHOD /path\", e.g. \"POST /payments\"", v)
+	}
+	if !strings.HasPrefix(path, "/") {
+		return fmt.Errorf("%q: the path must start with '/' (want \"METHOD /path\", e.g. \"POST /payments\")", v)
+	}
+	// http.ServeMux is the judge of what a pattern is: it panics on a bad one.
+	var err error
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				err = fmt.Errorf("%q is not a valid http.ServeMux pattern: %v", v, r)
+			}
+		}()
+		http.NewServeMux().Handle(v, http.NotFoundHandler())
+	}()
+	return err
+}
+
+func validStatus(v string) error {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 200 || n > 299 {
+		return fmt.Errorf("%q: want a 2xx status code such as 200 or 201 (errors choose their status with idem.Error)", v)
+	}
+	return nil
+}
+
+func validPositiveDuration(v string) error {
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		return fmt.Errorf("%q: want a positive Go duration such as 24h or 90m", v)
+	}
+	return nil
+}
+
+func validNonNegativeDuration(v string) error {
+	d, err := time.ParseDuration(v)
+	if err != nil || d < 0 {
+		return fmt.Errorf("%q: want a Go duration such as 5s, or 0 for no wait", v)
+	}
+	return nil
+}
+
+func validHeaderName(v string) error {
+	if v == "" {
+		return fmt.Errorf("must not be empty")
+	}
+	for _, r := range v {
+		if r > unicode.MaxASCII || !(unicode.IsLetter(r) || unicode.IsDigit(r) || strings.ContainsRune("!#$%&'*+-.^_`|~", r)) {
+			return fmt.Errorf("%q is not a valid header name", v)
+		}
+	}
+	return nil
+}
+
+func oneOf(values ...string) func(string) error {
+	return func(v string) error {
+		for _, w := range values {
+			if v == w {
+				return nil
+			}
+		}
+		return fmt.Errorf("%q: want one of %s", v, strings.Join(values, ", "))
+	}
+}
