@@ -64,7 +64,11 @@ func (e *emitter) guards() {
 		var expr *jen.Statement
 		if h.recv != nil {
 			params = append([]jen.Code{e.recvType(h)}, params...)
-			expr = jen.Parens(e.recvType(h)).Dot(h.name)
+			if h.ptrRecv {
+				expr = jen.Parens(e.recvType(h)).Dot(h.name)
+			} else {
+				expr = jen.Add(e.recvType(h)).Dot(h.name)
+			}
 		} else {
 			expr = jen.Id(h.name)
 		}
@@ -96,9 +100,10 @@ func (e *emitter) httpHandler(h *httpFunc) {
 		serves = "serves " + h.route
 	}
 	e.f.Line()
-	e.f.Commentf("%s %s with %s. Each %s runs it once:", h.handlerName(), serves, what, h.header)
-	e.f.Comment("the key claim, the call and the stored response commit in one transaction,")
-	e.f.Comment("and a repeated request replays the stored response without calling it.")
+	e.f.Commentf("%s %s with %s.", h.handlerName(), serves, what)
+	e.f.Commentf("Each %s value runs it once: the key claim, the call and the stored", h.header)
+	e.f.Comment("response commit in one transaction, and a repeated request replays the")
+	e.f.Comment("stored response without calling it.")
 
 	field := func(name string, value jen.Code) jen.Code { return jen.Id(name).Op(":").Add(value) }
 	fields := []jen.Code{field("Scope", jen.Lit(h.scope))}

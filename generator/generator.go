@@ -175,7 +175,17 @@ var undefinedRE = regexp.MustCompile(`undefined(?: \(type .*\))?: (\w+)|\.(\w+) 
 // first generation (or with a stale file emptied), user code that calls
 // generated functions cannot type-check, and generating is the cure.
 func reportLoadErrors(pkg *packages.Package, m *pkgModel, errs *errorSink) {
+	typeErrors := false
 	for _, e := range pkg.Errors {
+		typeErrors = typeErrors || e.Kind == packages.TypeError
+	}
+	for _, e := range pkg.Errors {
+		// go list -export compiles the package too and reports the
+		// compiler's text as one error; the type checker's own errors say
+		// the same with positions.
+		if typeErrors && e.Kind == packages.ListError && strings.HasPrefix(e.Msg, "# ") {
+			continue
+		}
 		if e.Kind == packages.TypeError && m != nil {
 			if sub := undefinedRE.FindStringSubmatch(e.Msg); sub != nil && (m.emitted[sub[1]] || m.emitted[sub[2]]) {
 				continue

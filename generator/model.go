@@ -194,7 +194,12 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 	}
 	pos := pkg.Fset.Position(decl.Name.Pos())
 	sig := obj.Type().(*types.Signature)
-	qual := types.RelativeTo(pkg.Types)
+	qual := func(p *types.Package) string {
+		if p == pkg.Types {
+			return ""
+		}
+		return p.Name()
+	}
 
 	f := &httpFunc{pos: pos, name: obj.Name()}
 	if recv := sig.Recv(); recv != nil {
@@ -226,7 +231,7 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 		shapeErr("it is variadic")
 		return
 	case params.Len() != 3:
-		shapeErr(fmt.Sprintf("it takes %d parameters, want 3", params.Len()))
+		shapeErr(fmt.Sprintf("it takes %s, want 3", plural(params.Len(), "parameter")))
 		return
 	case !isNamed(params.At(0).Type(), "context", "Context"):
 		shapeErr("the first parameter must be context.Context")
@@ -235,7 +240,7 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 		shapeErr("the second parameter must be pgx.Tx (github.com/jackc/pgx/v5), the transaction that also holds the key claim")
 		return
 	case results.Len() != 2:
-		shapeErr(fmt.Sprintf("it returns %d results, want 2", results.Len()))
+		shapeErr(fmt.Sprintf("it returns %s, want 2", plural(results.Len(), "result")))
 		return
 	case !types.Identical(results.At(1).Type(), types.Universe.Lookup("error").Type()):
 		shapeErr("the last result must be error")
@@ -247,7 +252,7 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 		typ  types.Type
 	}{{"request", f.req}, {"response", f.resp}} {
 		if why := jsonUnfriendly(t.typ, pkg.Types); why != "" {
-			shapeErr(fmt.Sprintf("the %s type %s %s", t.what, types.TypeString(t.typ, qual), why))
+			errs.add(pos, "//idem:http cannot wrap %s: its %s type %s %s", obj.Name(), t.what, types.TypeString(t.typ, qual), why)
 			return
 		}
 	}
@@ -358,6 +363,13 @@ func wantHTTPShape(sig *types.Signature, qual types.Qualifier) string {
 		resp = types.TypeString(r.At(0).Type(), qual)
 	}
 	return fmt.Sprintf("func(ctx context.Context, tx pgx.Tx, req %s) (%s, error)", req, resp)
+}
+
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 func firstWord(s string) string {

@@ -16,9 +16,10 @@ var (
 	_ func(*PaymentService, context.Context, pgx.Tx, ChargeRequest) (PaymentReceipt, error) = (*PaymentService).Charge
 )
 
-// ChargeHandler serves POST /payments with (*PaymentService).Charge. Each Idempotency-Key runs it once:
-// the key claim, the call and the stored response commit in one transaction,
-// and a repeated request replays the stored response without calling it.
+// ChargeHandler serves POST /payments with (*PaymentService).Charge.
+// Each Idempotency-Key value runs it once: the key claim, the call and the stored
+// response commit in one transaction, and a repeated request replays the
+// stored response without calling it.
 func (s *PaymentService) ChargeHandler(h *idem.HTTP) http.Handler {
 	return idem.Handle(h, idem.Endpoint{
 		Scope:     "github.com/idemgen/idemgen/examples/payments.(*PaymentService).Charge",
