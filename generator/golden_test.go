@@ -162,4 +162,3 @@ func paths(files []generator.File) []string {
 	}
 	return p
 }
-

@@ -261,7 +261,7 @@ func TestConcurrentSameKeyWaitsAndReplays(t *testing.T) {
 func TestConcurrentSameKeyConflict(t *testing.T) {
 	e := newEnv(t)
 	release := make(chan struct{})
-	defer close(release) // on failure too, or the pool's cleanup waits forever
+	defer close(release)  // on failure too, or the pool's cleanup waits forever
 	var block atomic.Bool // only the first call of each subtest blocks
 	e.hook = func(context.Context, pgx.Tx, chargeReq) error {
 		if block.Swap(false) {
@@ -550,6 +550,7 @@ func TestCancellationRollsBack(t *testing.T) {
 	wantProblem(t, r, http.StatusServiceUnavailable)
 
 	ctx, cancel = context.WithCancel(context.Background())
+	defer cancel()
 	swallow.Store(true)
 	r = doCtx(ctx, h, "k-cancel", body1)
 	wantProblem(t, r, http.StatusServiceUnavailable)
@@ -612,4 +613,3 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
-
