@@ -304,7 +304,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		if claimed == 0 {
 			return h.replay(ctx, tx, in)
 		}
-		crashPoint("http.after-claim")
+		crashPoint(ctx, "http.after-claim")
 		ctx = context.WithValue(ctx, keyCtx{}, *in.key)
 	}
 
@@ -314,7 +314,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	if err != nil {
 		return nil, err
 	}
-	crashPoint("http.after-call")
+	crashPoint(ctx, "http.after-call")
 	body, err := json.Marshal(result)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", errEncodeFailure, err)
@@ -339,11 +339,11 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	crashPoint("http.before-commit")
+	crashPoint(ctx, "http.before-commit")
 	if err := tx.Commit(ctx); err != nil {
 		return nil, storageErr(ctx, "commit", err)
 	}
-	crashPoint("http.after-commit")
+	crashPoint(ctx, "http.after-commit")
 	return out, nil
 }
 

@@ -4,6 +4,8 @@
 //	go run ./examples/payments            run the demo: start the service, play a client that retries, check the database
 //	go run ./examples/payments serve      serve on $ADDR (default 127.0.0.1:8080) until SIGTERM
 //
+// On SIGTERM, serve drains requests for $DRAIN_TIMEOUT (default 10s), then
+// cancels the rest: their transactions roll back and a retry is safe.
 // Both use $DATABASE_URL (default postgres://postgres@127.0.0.1:5432/postgres).
 package main
 
@@ -102,8 +104,14 @@ func serve(ctx context.Context) error {
 	}
 	// The address actually bound (ADDR may say port 0), for scripts and tests.
 	slog.Info("payments listening", "addr", ln.Addr().String())
+	drain := 10 * time.Second
+	if d := os.Getenv("DRAIN_TIMEOUT"); d != "" {
+		if drain, err = time.ParseDuration(d); err != nil {
+			return fmt.Errorf("DRAIN_TIMEOUT: %w", err)
+		}
+	}
 	srv := &http.Server{Handler: newMux(pool), ReadHeaderTimeout: 5 * time.Second}
-	err = idem.ServeHTTP(ctx, srv, ln, 10*time.Second)
+	err = idem.ServeHTTP(ctx, srv, ln, drain)
 	if errors.Is(err, http.ErrServerClosed) {
 		err = nil
 	}
