@@ -284,14 +284,18 @@ var (
 // stored key, and a retry runs the function again. A cancelled ctx is such a
 // failure: it is returned as is and nothing commits.
 func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
-	tx, err := h.Store.pool.BeginTx(ctx, h.TxOptions)
+	opts := h.TxOptions
+	if in.key != nil {
+		opts = db.BoundedBegin(opts, ep.Wait) // BEGIN and the claim's wait bound: one round trip
+	}
+	tx, err := h.Store.pool.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, storageErr(ctx, "begin", err)
 	}
 	defer rollback(ctx, tx) // after Commit this is a no-op
 
 	if in.key != nil {
-		claimed, err := db.ClaimKeyBounded(ctx, tx, pgInterval(ep.Wait), db.ClaimKeyParams{
+		claimed, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
 			Scope: in.key.Scope, Principal: in.key.Principal, Key: in.key.Key,
 			Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(),
 		})
@@ -301,8 +305,8 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 			}
 			return nil, storageErr(ctx, "claim key", err)
 		}
-		if claimed == 0 {
-			return h.replay(ctx, tx, in)
+		if !claimed {
+			return replay(ctx, row, in)
 		}
 		crashPoint(ctx, "http.after-claim")
 		ctx = context.WithValue(ctx, keyCtx{}, *in.key)
@@ -347,14 +351,9 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	return out, nil
 }
 
-// replay answers a request whose key is already completed.
-func (h *HTTP) replay(ctx context.Context, tx pgx.Tx, in *request) (*response, error) {
-	row, err := db.New(tx).GetKey(ctx, db.GetKeyParams{Scope: in.key.Scope, Principal: in.key.Principal, Key: in.key.Key})
-	if err != nil {
-		// ClaimKey's ON CONFLICT DO UPDATE locked the row, so retention cannot
-		// have deleted it; any error here is the database's.
-		return nil, storageErr(ctx, "read key", err)
-	}
+// replay answers a request whose key is already completed, from the row the
+// claim read.
+func replay(ctx context.Context, row db.GetKeyRow, in *request) (*response, error) {
 	if !bytes.Equal(row.Fingerprint, in.fingerprint) {
 		return nil, errFingerprint
 	}
@@ -429,14 +428,4 @@ func storageErr(ctx context.Context, doing string, err error) error {
 func isBusy(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "40001")
-}
-
-// pgInterval renders d for lock_timeout. lock_timeout 0 means "wait forever",
-// so NoWait becomes the smallest positive timeout.
-func pgInterval(d time.Duration) string {
-	ms := d.Milliseconds()
-	if ms < 1 {
-		ms = 1
-	}
-	return strconv.FormatInt(ms, 10) + "ms"
 }
