@@ -56,8 +56,7 @@ type kindSpec struct {
 	shape    string // what the annotated declaration must look like, for errors
 }
 
-// kinds is the whole directive grammar. Generate parses every kind; see
-// emitters in generator.go for which kinds it can generate code for.
+// kinds is the whole directive grammar.
 var kinds = map[string]kindSpec{
 	"http": {
 		target: targetFunc,
@@ -78,6 +77,7 @@ var kinds = map[string]kindSpec{
 			"topic":   validNonEmpty,
 			"context": validNonEmpty,
 			"id":      validIdent,
+			"decode":  validFuncName,
 		},
 		required: []string{"topic"},
 		shape:    "func(ctx context.Context, tx pgx.Tx, ev Event) error",
@@ -260,6 +260,13 @@ func validIdent(v string) error {
 	}
 	if !token.IsExported(v) {
 		return fmt.Errorf("field %s is unexported; JSON encoding only sees exported fields", v)
+	}
+	return nil
+}
+
+func validFuncName(v string) error {
+	if !token.IsIdentifier(v) {
+		return fmt.Errorf("%q is not a Go function name", v)
 	}
 	return nil
 }

@@ -27,6 +27,8 @@ func emit(m *pkgModel) ([]byte, error) {
 	e.f.ImportName("net/http", "http")
 	e.f.ImportName("time", "time")
 	e.f.ImportName(pgxPath, "pgx")
+	e.f.ImportName("fmt", "fmt")
+	e.f.ImportName("strconv", "strconv")
 	e.f.ImportAlias(runtimePath, "idem")
 
 	e.guards()
@@ -34,6 +36,13 @@ func emit(m *pkgModel) ([]byte, error) {
 		e.httpHandler(h)
 	}
 	e.registerRoutes()
+	for _, c := range m.consumes {
+		e.consumer(c)
+	}
+	e.consumerList()
+	for _, t := range m.outboxes {
+		e.enqueue(t)
+	}
 	if e.err != nil {
 		return nil, e.err
 	}
@@ -52,27 +61,34 @@ func emit(m *pkgModel) ([]byte, error) {
 //
 //	var (
 //		_ func(*T, context.Context, pgx.Tx, Req) (Resp, error) = (*T).Method
-//		_ func(context.Context, pgx.Tx, Req) (Resp, error) = Func
+//		_ func(context.Context, pgx.Tx, Event) error = Func
 //	)
 //
 // A changed signature then fails the build on this line, naming the function,
 // instead of somewhere inside the runtime's generic code.
 func (e *emitter) guards() {
 	var defs []jen.Code
-	for _, h := range e.m.https {
-		params := []jen.Code{jen.Qual("context", "Context"), jen.Qual(pgxPath, "Tx"), e.typ(h.req)}
-		var expr *jen.Statement
-		if h.recv != nil {
-			params = append([]jen.Code{e.recvType(h)}, params...)
-			if h.ptrRecv {
-				expr = jen.Parens(e.recvType(h)).Dot(h.name)
+	guard := func(w *wrapped, arg types.Type, results ...jen.Code) {
+		params := []jen.Code{jen.Qual("context", "Context"), jen.Qual(pgxPath, "Tx"), e.typ(arg)}
+		expr := jen.Id(w.name)
+		if w.recv != nil {
+			params = append([]jen.Code{e.recvType(w)}, params...)
+			if w.ptrRecv {
+				expr = jen.Parens(e.recvType(w)).Dot(w.name)
 			} else {
-				expr = jen.Add(e.recvType(h)).Dot(h.name)
+				expr = jen.Add(e.recvType(w)).Dot(w.name)
 			}
-		} else {
-			expr = jen.Id(h.name)
 		}
-		defs = append(defs, jen.Id("_").Func().Params(params...).Params(e.typ(h.resp), jen.Error()).Op("=").Add(expr))
+		defs = append(defs, jen.Id("_").Func().Params(params...).Params(results...).Op("=").Add(expr))
+	}
+	for _, h := range e.m.https {
+		guard(&h.wrapped, h.req, e.typ(h.resp), jen.Error())
+	}
+	for _, c := range e.m.consumes {
+		guard(&c.wrapped, c.event, jen.Error())
+	}
+	if len(defs) == 0 {
+		return
 	}
 	e.f.Comment("The functions idemgen wrapped, with the shapes it generated code for. If one")
 	e.f.Comment("changes, this file stops compiling here: run go generate again.")
@@ -87,14 +103,8 @@ func (e *emitter) guards() {
 //	}
 func (e *emitter) httpHandler(h *httpFunc) {
 	hParam := "h"
-	recv := h.recvName
-	if recv == "" || recv == hParam {
-		recv = "recv"
-	}
-	what := h.name
-	if h.recv != nil {
-		what = fmt.Sprintf("(%s).%s", typeString(e.recvTypeT(h), e.m.path), h.name)
-	}
+	recv := recvVar(&h.wrapped, hParam)
+	what := e.describe(&h.wrapped)
 	serves := "serves requests"
 	if h.route != "" {
 		serves = "serves " + h.route
@@ -128,7 +138,7 @@ func (e *emitter) httpHandler(h *httpFunc) {
 	decl := jen.Func()
 	if h.recv != nil {
 		fn = jen.Id(recv).Dot(h.name)
-		decl = decl.Params(jen.Id(recv).Add(e.recvType(h)))
+		decl = decl.Params(jen.Id(recv).Add(e.recvType(&h.wrapped)))
 	}
 	decl.Id(h.handlerName()).Params(jen.Id(hParam).Op("*").Qual(runtimePath, "HTTP")).Qual("net/http", "Handler").Block(
 		jen.Return(jen.Qual(runtimePath, "Handle").Call(
@@ -149,60 +159,216 @@ func (e *emitter) httpHandler(h *httpFunc) {
 //
 // with one parameter per receiver type, in order of first appearance.
 func (e *emitter) registerRoutes() {
-	type recvParam struct {
-		name string
-		typ  *types.Named
-		ptr  bool
-	}
-	var recvs []*recvParam
-	byType := map[*types.Named]*recvParam{}
-	taken := map[string]bool{"mux": true, "h": true}
+	rp := newRecvParams("mux", "h")
 	var body []jen.Code
 	for _, h := range e.m.https {
 		if h.route == "" {
 			continue
 		}
-		target := jen.Id(h.handlerName())
-		if h.recv != nil {
-			p := byType[h.recv]
-			if p == nil {
-				p = &recvParam{name: paramName(h.recv.Obj().Name(), taken), typ: h.recv}
-				byType[h.recv] = p
-				recvs = append(recvs, p)
-			}
-			// *T has the methods of both T and *T.
-			p.ptr = p.ptr || h.ptrRecv
-			target = jen.Id(p.name).Dot(h.handlerName())
-		}
-		body = append(body, jen.Id("mux").Dot("Handle").Call(jen.Lit(h.route), target.Call(jen.Id("h"))))
+		body = append(body, jen.Id("mux").Dot("Handle").Call(jen.Lit(h.route), rp.target(&h.wrapped, h.handlerName()).Call(jen.Id("h"))))
 	}
 	if len(body) == 0 {
 		return
 	}
-	params := []jen.Code{
+	params := append([]jen.Code{
 		jen.Id("mux").Op("*").Qual("net/http", "ServeMux"),
 		jen.Id("h").Op("*").Qual(runtimePath, "HTTP"),
-	}
-	for _, p := range recvs {
-		t := jen.Qual(e.m.path, p.typ.Obj().Name())
-		if p.ptr {
-			t = jen.Op("*").Add(t)
-		}
-		params = append(params, jen.Id(p.name).Add(t))
-	}
+	}, rp.params(e)...)
 	e.f.Line()
 	e.f.Commentf("%s registers every routed //idem:http handler of this package on mux.", registerName)
 	e.f.Func().Id(registerName).Params(params...).Block(body...)
 }
 
-// recvType renders h's receiver type: T or *T.
-func (e *emitter) recvType(h *httpFunc) jen.Code { return e.typ(e.recvTypeT(h)) }
-
-func (e *emitter) recvTypeT(h *httpFunc) types.Type {
-	if h.ptrRecv {
-		return types.NewPointer(h.recv)
+// consumer emits the constructor of one //idem:consume handler:
+//
+//	// HandleOrderConfirmedConsumer consumes orders.confirmed with ...
+//	func (b *Billing) HandleOrderConfirmedConsumer() idem.Consumer {
+//		return idem.Consume(idem.ConsumerSpec[OrderConfirmed]{
+//			Topic:   "orders.confirmed",
+//			Context: "billing",
+//			EventID: func(ev OrderConfirmed) string { return ev.EventID },
+//		}, b.HandleOrderConfirmed)
+//	}
+func (e *emitter) consumer(c *consumeFunc) {
+	recv := recvVar(&c.wrapped, "ev")
+	idFrom := fmt.Sprintf("the %s record header", "idem-event-id")
+	if c.idField != nil {
+		idFrom = "ev." + c.idField.name
 	}
-	return h.recv
+	e.f.Line()
+	e.f.Commentf("%s consumes %s with %s.", c.consumerName(), c.topic, e.describe(&c.wrapped))
+	e.f.Commentf("Each event id (%s) is applied once in context %q:", idFrom, c.context)
+	e.f.Comment("the processed-event row and the function's writes commit in one")
+	e.f.Comment("transaction, and a duplicate is skipped.")
+
+	field := func(name string, value jen.Code) jen.Code { return jen.Id(name).Op(":").Add(value) }
+	fields := []jen.Code{field("Topic", jen.Lit(c.topic)), field("Context", jen.Lit(c.context))}
+	if c.idField != nil {
+		fields = append(fields, field("EventID", jen.Func().Params(jen.Id("ev").Add(e.typ(c.event))).String().Block(
+			jen.Return(stringOf(jen.Id("ev").Dot(c.idField.name), c.idField.conv)),
+		)))
+	}
+	if c.decode != "" {
+		fields = append(fields, field("Decode", jen.Id(c.decode)))
+	}
+	fn := jen.Id(c.name)
+	decl := jen.Func()
+	if c.recv != nil {
+		fn = jen.Id(recv).Dot(c.name)
+		decl = decl.Params(jen.Id(recv).Add(e.recvType(&c.wrapped)))
+	}
+	decl.Id(c.consumerName()).Params().Qual(runtimePath, "Consumer").Block(
+		jen.Return(jen.Qual(runtimePath, "Consume").Call(
+			jen.Qual(runtimePath, "ConsumerSpec").Types(e.typ(c.event)).Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
+			fn,
+		)),
+	)
+	e.f.Add(decl)
+}
+
+// consumerList emits, when the package has consumers:
+//
+//	// IdemConsumers returns every //idem:consume handler of this package ...
+//	func IdemConsumers(billing *Billing) []idem.Consumer {
+//		return []idem.Consumer{billing.HandleOrderConfirmedConsumer()}
+//	}
+func (e *emitter) consumerList() {
+	if len(e.m.consumes) == 0 {
+		return
+	}
+	rp := newRecvParams()
+	var items []jen.Code
+	for _, c := range e.m.consumes {
+		items = append(items, rp.target(&c.wrapped, c.consumerName()).Call())
+	}
+	e.f.Line()
+	e.f.Commentf("%s returns every //idem:consume handler of this package, for", consumersName)
+	e.f.Comment("kafka.ConsumerConfig.Consumers (github.com/idemgen/idemgen/runtime/kafka).")
+	e.f.Func().Id(consumersName).Params(rp.params(e)...).Index().Qual(runtimePath, "Consumer").Block(
+		jen.Return(jen.Index().Qual(runtimePath, "Consumer").Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, items...)),
+	)
+}
+
+// enqueue emits the outbox function of one //idem:outbox type:
+//
+//	// EnqueuePaymentCharged adds ev to the outbox in tx ...
+//	func EnqueuePaymentCharged(ctx context.Context, tx pgx.Tx, ev PaymentCharged) error {
+//		return idem.Enqueue(ctx, tx, "billing.charged", ev.OrderID, ev)
+//	}
+func (e *emitter) enqueue(t *outboxType) {
+	var key jen.Code = jen.Lit("")
+	keyDoc := "no partition key"
+	if t.keyField != nil {
+		key = stringOf(jen.Id("ev").Dot(t.keyField.name), t.keyField.conv)
+		keyDoc = "partition key ev." + t.keyField.name
+	}
+	e.f.Line()
+	e.f.Commentf("%s adds ev to the outbox in tx, for topic %s,", t.enqueueName(), t.topic)
+	e.f.Commentf("%s. The relay publishes it after tx commits, and never", keyDoc)
+	e.f.Comment("if tx rolls back.")
+	e.f.Func().Id(t.enqueueName()).Params(
+		jen.Id("ctx").Qual("context", "Context"),
+		jen.Id("tx").Qual(pgxPath, "Tx"),
+		jen.Id("ev").Add(e.typ(t.typ)),
+	).Error().Block(
+		jen.Return(jen.Qual(runtimePath, "Enqueue").Call(jen.Id("ctx"), jen.Id("tx"), jen.Lit(t.topic), key, jen.Id("ev"))),
+	)
+}
+
+// stringOf renders v as a string expression according to conv.
+func stringOf(v *jen.Statement, conv fieldConv) jen.Code {
+	switch conv {
+	case convStringer:
+		return v.Dot("String").Call()
+	case convInt:
+		return jen.Qual("strconv", "FormatInt").Call(jen.Int64().Call(v), jen.Lit(10))
+	case convUint:
+		return jen.Qual("strconv", "FormatUint").Call(jen.Uint64().Call(v), jen.Lit(10))
+	case convIdentity:
+		return v
+	default:
+		return jen.String().Call(v)
+	}
+}
+
+// recvParams collects one parameter per receiver type for a generated
+// package-level function (RegisterIdemRoutes, IdemConsumers).
+type recvParams struct {
+	list   []*recvParam
+	byType map[*types.Named]*recvParam
+	taken  map[string]bool
+}
+
+type recvParam struct {
+	name string
+	typ  *types.Named
+	ptr  bool
+}
+
+func newRecvParams(reserved ...string) *recvParams {
+	rp := &recvParams{byType: map[*types.Named]*recvParam{}, taken: map[string]bool{}}
+	for _, r := range reserved {
+		rp.taken[r] = true
+	}
+	return rp
+}
+
+// target returns the expression naming the generated method or function
+// name of w, adding a parameter for w's receiver type if needed.
+func (rp *recvParams) target(w *wrapped, name string) *jen.Statement {
+	if w.recv == nil {
+		return jen.Id(name)
+	}
+	p := rp.byType[w.recv]
+	if p == nil {
+		p = &recvParam{name: paramName(w.recv.Obj().Name(), rp.taken), typ: w.recv}
+		rp.byType[w.recv] = p
+		rp.list = append(rp.list, p)
+	}
+	// *T has the methods of both T and *T.
+	p.ptr = p.ptr || w.ptrRecv
+	return jen.Id(p.name).Dot(name)
+}
+
+func (rp *recvParams) params(e *emitter) []jen.Code {
+	var out []jen.Code
+	for _, p := range rp.list {
+		t := jen.Qual(e.m.path, p.typ.Obj().Name())
+		if p.ptr {
+			t = jen.Op("*").Add(t)
+		}
+		out = append(out, jen.Id(p.name).Add(t))
+	}
+	return out
+}
+
+// recvVar is the receiver's variable name in a generated method: the user's
+// own, unless absent or clashing with another name the method uses.
+func recvVar(w *wrapped, clash string) string {
+	if w.recvName == "" || w.recvName == clash {
+		return "recv"
+	}
+	return w.recvName
+}
+
+// describe names w for a comment: Func, (*T).Method or T.Method.
+func (e *emitter) describe(w *wrapped) string {
+	if w.recv == nil {
+		return w.name
+	}
+	if w.ptrRecv {
+		return fmt.Sprintf("(*%s).%s", w.recv.Obj().Name(), w.name)
+	}
+	return w.recv.Obj().Name() + "." + w.name
+}
+
+// recvType renders w's receiver type: T or *T.
+func (e *emitter) recvType(w *wrapped) jen.Code {
+	t := jen.Qual(e.m.path, w.recv.Obj().Name())
+	if w.ptrRecv {
+		return jen.Op("*").Add(t)
+	}
+	return t
 }
 
 // typ renders a Go type, registering the imports it needs under each

@@ -23,21 +23,41 @@ type pkgModel struct {
 	path, name string
 	dir        string
 	https      []*httpFunc
+	consumes   []*consumeFunc
+	outboxes   []*outboxType
 	// emitted names the package-level identifiers and methods the generated
 	// file declares; type errors about them being undefined are expected
 	// before the first generation and are not the user's.
 	emitted map[string]bool
 }
 
-// httpFunc is one //idem:http function, checked and with defaults applied.
-type httpFunc struct {
+// wrapped is a function or method that generated code wraps.
+type wrapped struct {
 	pos      token.Position
 	name     string       // the function's name
 	recv     *types.Named // nil for a plain function
 	ptrRecv  bool
 	recvName string // the receiver's name in the user's declaration, if usable
-	req      types.Type
-	resp     types.Type
+}
+
+// qualifiedName is f's name as a default scope or context:
+// "pkg/path.Func", "pkg/path.(*T).Method" or "pkg/path.T.Method".
+func (f *wrapped) qualifiedName(pkgPath string) string {
+	switch {
+	case f.recv == nil:
+		return pkgPath + "." + f.name
+	case f.ptrRecv:
+		return pkgPath + ".(*" + f.recv.Obj().Name() + ")." + f.name
+	default:
+		return pkgPath + "." + f.recv.Obj().Name() + "." + f.name
+	}
+}
+
+// httpFunc is one //idem:http function, checked and with defaults applied.
+type httpFunc struct {
+	wrapped
+	req  types.Type
+	resp types.Type
 
 	scope       string
 	route       string
@@ -51,20 +71,52 @@ type httpFunc struct {
 // handlerName is the generated constructor's name for f.
 func (f *httpFunc) handlerName() string { return f.name + "Handler" }
 
-// qualifiedName is f's name as scope: "pkg/path.Func" or "pkg/path.(*T).Method".
-func (f *httpFunc) qualifiedName(pkgPath string) string {
-	switch {
-	case f.recv == nil:
-		return pkgPath + "." + f.name
-	case f.ptrRecv:
-		return pkgPath + ".(*" + f.recv.Obj().Name() + ")." + f.name
-	default:
-		return pkgPath + "." + f.recv.Obj().Name() + "." + f.name
-	}
+// consumeFunc is one //idem:consume function.
+type consumeFunc struct {
+	wrapped
+	event   types.Type
+	topic   string
+	context string
+	idField *fieldRef // nil: the event id comes from the record header
+	decode  string    // a package function func([]byte) (Event, error), or ""
 }
 
-// registerName is the generated function that registers a package's routes.
-const registerName = "RegisterIdemRoutes"
+// consumerName is the generated constructor's name for f.
+func (f *consumeFunc) consumerName() string { return f.name + "Consumer" }
+
+// outboxType is one //idem:outbox type.
+type outboxType struct {
+	pos      token.Position
+	typ      *types.Named
+	topic    string
+	keyField *fieldRef // nil: no partition key
+}
+
+// enqueueName is the generated function's name for t.
+func (t *outboxType) enqueueName() string { return "Enqueue" + t.typ.Obj().Name() }
+
+// fieldRef is a struct field whose value generated code turns into a string.
+type fieldRef struct {
+	name string
+	conv fieldConv
+}
+
+// fieldConv is how a field's value becomes a string.
+type fieldConv int
+
+const (
+	convIdentity fieldConv = iota // string itself: v
+	convString                    // another string type: string(v)
+	convStringer                  // fmt.Stringer: v.String()
+	convInt                       // signed integer: strconv.FormatInt(int64(v), 10)
+	convUint                      // unsigned integer: strconv.FormatUint(uint64(v), 10)
+)
+
+// Package-level functions generated once per package.
+const (
+	registerName  = "RegisterIdemRoutes" // registers the routed //idem:http handlers
+	consumersName = "IdemConsumers"      // lists the //idem:consume handlers
+)
 
 // buildModel reads the directives of pkg and checks what they annotate.
 // It returns nil (and no errors) for a package without directives.
@@ -80,7 +132,7 @@ func buildModel(pkg *packages.Package, errs *errorSink) *pkgModel {
 		}
 		scanFile(pkg, file, m, errs)
 	}
-	if len(m.https) == 0 {
+	if len(m.https)+len(m.consumes)+len(m.outboxes) == 0 {
 		return nil
 	}
 	for _, f := range m.https {
@@ -88,6 +140,13 @@ func buildModel(pkg *packages.Package, errs *errorSink) *pkgModel {
 		if f.route != "" {
 			m.emitted[registerName] = true
 		}
+	}
+	for _, f := range m.consumes {
+		m.emitted[f.consumerName()] = true
+		m.emitted[consumersName] = true
+	}
+	for _, t := range m.outboxes {
+		m.emitted[t.enqueueName()] = true
 	}
 	checkCollisions(pkg, m, errs)
 	return m
@@ -136,9 +195,10 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 		case *ast.GenDecl:
 			ds := directives(decl.Doc)
 			if decl.Tok == token.TYPE && len(decl.Specs) == 1 {
-				ds = append(ds, directives(decl.Specs[0].(*ast.TypeSpec).Doc)...)
+				spec := decl.Specs[0].(*ast.TypeSpec)
+				ds = append(ds, directives(spec.Doc)...)
 				for _, d := range ds {
-					checkType(d, errs)
+					checkType(pkg, spec, d, m, errs)
 				}
 				continue
 			}
@@ -152,7 +212,7 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 			if decl.Tok == token.TYPE {
 				for _, spec := range decl.Specs {
 					for _, d := range directives(spec.(*ast.TypeSpec).Doc) {
-						checkType(d, errs)
+						checkType(pkg, spec.(*ast.TypeSpec), d, m, errs)
 					}
 				}
 			}
@@ -172,24 +232,93 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 	}
 }
 
-// checkType handles a directive on a type declaration.
-func checkType(d *Directive, errs *errorSink) {
+// checkType checks the type an //idem:outbox directive annotates.
+func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, m *pkgModel, errs *errorSink) {
 	if kinds[d.Kind].target != targetType {
 		errs.add(d.Pos, "//idem:%s annotates a function of shape %s, not a type", d.Kind, kinds[d.Kind].shape)
 		return
 	}
-	errs.add(d.Pos, "//idem:%s is not generated by this version of idemgen yet", d.Kind)
+	pos := pkg.Fset.Position(spec.Name.Pos())
+	obj, _ := pkg.TypesInfo.Defs[spec.Name].(*types.TypeName)
+	if obj == nil {
+		errs.add(pos, "cannot type-check %s; fix the errors above first", spec.Name.Name)
+		return
+	}
+	named, _ := obj.Type().(*types.Named)
+	if named == nil || spec.TypeParams != nil {
+		errs.add(pos, "//idem:outbox annotates a named, non-generic struct type; %s is not one", obj.Name())
+		return
+	}
+	st, ok := named.Underlying().(*types.Struct)
+	if !ok {
+		errs.add(pos, "//idem:outbox annotates a struct type; %s is %s", obj.Name(), named.Underlying())
+		return
+	}
+	if why := jsonUnfriendly(named, pkg.Types); why != "" {
+		errs.add(pos, "//idem:outbox cannot publish %s: it %s", obj.Name(), why)
+		return
+	}
+	t := &outboxType{pos: pos, typ: named}
+	for _, o := range d.Options {
+		switch o.Name {
+		case "topic":
+			t.topic = o.Value
+		case "key":
+			ref, err := stringField(st, pkg.Types, o.Value)
+			if err != nil {
+				errs.add(o.Pos, "//idem:outbox key=%s: %v", o.Value, err)
+				return
+			}
+			t.keyField = ref
+		}
+	}
+	m.outboxes = append(m.outboxes, t)
 }
+
+// stringField finds the exported field name of st that generated code can
+// turn into a string (a partition key, an event id).
+func stringField(st *types.Struct, local *types.Package, name string) (*fieldRef, error) {
+	var fields []string
+	for i := 0; i < st.NumFields(); i++ {
+		f := st.Field(i)
+		if f.Exported() {
+			fields = append(fields, f.Name())
+		}
+		if f.Name() != name {
+			continue
+		}
+		t := f.Type()
+		if types.Implements(t, stringerType) {
+			return &fieldRef{name: name, conv: convStringer}, nil
+		}
+		if b, ok := t.Underlying().(*types.Basic); ok {
+			switch {
+			case types.Identical(t, types.Typ[types.String]):
+				return &fieldRef{name: name, conv: convIdentity}, nil
+			case b.Info()&types.IsString != 0:
+				return &fieldRef{name: name, conv: convString}, nil
+			case b.Info()&types.IsInteger != 0 && b.Info()&types.IsUnsigned != 0:
+				return &fieldRef{name: name, conv: convUint}, nil
+			case b.Info()&types.IsInteger != 0:
+				return &fieldRef{name: name, conv: convInt}, nil
+			}
+		}
+		return nil, fmt.Errorf("field %s has type %s; want a string, an integer or a fmt.Stringer", name, types.TypeString(t, types.RelativeTo(local)))
+	}
+	return nil, fmt.Errorf("no field %s%s (fields: %s)", name, didYouMean(name, fields), strings.Join(fields, ", "))
+}
+
+// stringerType is fmt.Stringer, built without importing fmt's types.
+var stringerType = types.NewInterfaceType([]*types.Func{
+	types.NewFunc(token.NoPos, nil, "String", types.NewSignatureType(nil, nil, nil, nil,
+		types.NewTuple(types.NewVar(token.NoPos, nil, "", types.Typ[types.String])), false)),
+}, nil).Complete()
 
 // checkFunc checks the function a directive annotates and adds it to m.
 func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgModel, errs *errorSink) {
 	obj, _ := pkg.TypesInfo.Defs[decl.Name].(*types.Func)
 	if obj == nil {
 		errs.add(pkg.Fset.Position(decl.Name.Pos()), "cannot type-check %s; fix the errors above first", decl.Name.Name)
-		return
-	}
-	if d.Kind != "http" {
-		errs.add(d.Pos, "//idem:%s is not generated by this version of idemgen yet", d.Kind)
 		return
 	}
 	pos := pkg.Fset.Position(decl.Name.Pos())
@@ -201,26 +330,36 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 		return p.Name()
 	}
 
-	f := &httpFunc{pos: pos, name: obj.Name()}
+	w := wrapped{pos: pos, name: obj.Name()}
 	if recv := sig.Recv(); recv != nil {
 		t := recv.Type()
 		if p, ok := t.(*types.Pointer); ok {
-			f.ptrRecv, t = true, p.Elem()
+			w.ptrRecv, t = true, p.Elem()
 		}
 		named, _ := types.Unalias(t).(*types.Named)
 		if named == nil || named.TypeParams().Len() > 0 {
-			errs.add(pos, "//idem:http cannot wrap %s: methods of generic types are not supported; wrap a plain method or function", obj.Name())
+			errs.add(pos, "//idem:%s cannot wrap %s: methods of generic types are not supported; wrap a plain method or function", d.Kind, obj.Name())
 			return
 		}
-		f.recv = named
+		w.recv = named
 		if n := recv.Name(); n != "" && n != "_" {
-			f.recvName = n
+			w.recvName = n
 		}
 	}
 
+	var want string
+	if d.Kind == "http" {
+		want = wantHTTPShape(sig, qual)
+	} else {
+		want = wantConsumeShape(sig, qual)
+	}
 	shapeErr := func(why string) {
-		errs.add(pos, "//idem:http cannot wrap %s: %s\n\thave %s\n\twant %s",
-			obj.Name(), why, signatureString(sig, qual), wantHTTPShape(sig, qual))
+		errs.add(pos, "//idem:%s cannot wrap %s: %s\n\thave %s\n\twant %s",
+			d.Kind, obj.Name(), why, signatureString(sig, qual), want)
+	}
+	wantResults := 2
+	if d.Kind == "consume" {
+		wantResults = 1
 	}
 	params, results := sig.Params(), sig.Results()
 	switch {
@@ -237,26 +376,36 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 		shapeErr("the first parameter must be context.Context")
 		return
 	case !isNamed(params.At(1).Type(), pgxPath, "Tx"):
-		shapeErr("the second parameter must be pgx.Tx (github.com/jackc/pgx/v5), the transaction that also holds the key claim")
+		shapeErr("the second parameter must be pgx.Tx (github.com/jackc/pgx/v5), the transaction that also holds the " +
+			map[string]string{"http": "key claim", "consume": "processed-event row"}[d.Kind])
 		return
-	case results.Len() != 2:
-		shapeErr(fmt.Sprintf("it returns %s, want 2", plural(results.Len(), "result")))
+	case results.Len() != wantResults:
+		shapeErr(fmt.Sprintf("it returns %s, want %d", plural(results.Len(), "result"), wantResults))
 		return
-	case !types.Identical(results.At(1).Type(), types.Universe.Lookup("error").Type()):
+	case !types.Identical(results.At(results.Len()-1).Type(), types.Universe.Lookup("error").Type()):
 		shapeErr("the last result must be error")
 		return
 	}
-	f.req, f.resp = params.At(2).Type(), results.At(0).Type()
+
+	switch d.Kind {
+	case "http":
+		checkHTTP(pkg, w, sig, d, m, errs)
+	case "consume":
+		checkConsume(pkg, w, sig, d, m, errs)
+	}
+}
+
+func checkHTTP(pkg *packages.Package, w wrapped, sig *types.Signature, d *Directive, m *pkgModel, errs *errorSink) {
+	f := &httpFunc{wrapped: w, req: sig.Params().At(2).Type(), resp: sig.Results().At(0).Type()}
 	for _, t := range []struct {
 		what string
 		typ  types.Type
 	}{{"request", f.req}, {"response", f.resp}} {
 		if why := jsonUnfriendly(t.typ, pkg.Types); why != "" {
-			errs.add(pos, "//idem:http cannot wrap %s: its %s type %s %s", obj.Name(), t.what, types.TypeString(t.typ, qual), why)
+			errs.add(w.pos, "//idem:http cannot wrap %s: its %s type %s %s", w.name, t.what, typeString(t.typ, pkg.PkgPath), why)
 			return
 		}
 	}
-
 	f.scope = f.qualifiedName(pkg.PkgPath)
 	f.status = 200
 	f.ttl = 24 * time.Hour
@@ -283,23 +432,86 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 	m.https = append(m.https, f)
 }
 
+func checkConsume(pkg *packages.Package, w wrapped, sig *types.Signature, d *Directive, m *pkgModel, errs *errorSink) {
+	f := &consumeFunc{wrapped: w, event: sig.Params().At(2).Type()}
+	f.context = f.qualifiedName(pkg.PkgPath)
+	evName := typeString(f.event, pkg.PkgPath)
+	for _, o := range d.Options {
+		switch o.Name {
+		case "topic":
+			f.topic = o.Value
+		case "context":
+			f.context = o.Value
+		case "id":
+			st, ok := f.event.Underlying().(*types.Struct)
+			if !ok {
+				errs.add(o.Pos, "//idem:consume id=%s: the event type %s is not a struct; drop id= to read the %s record header", o.Value, evName, "idem-event-id")
+				return
+			}
+			ref, err := stringField(st, pkg.Types, o.Value)
+			if err != nil {
+				errs.add(o.Pos, "//idem:consume id=%s: %v", o.Value, err)
+				return
+			}
+			f.idField = ref
+		case "decode":
+			fn, _ := pkg.Types.Scope().Lookup(o.Value).(*types.Func)
+			want := fmt.Sprintf("func(value []byte) (%s, error)", evName)
+			if fn == nil {
+				errs.add(o.Pos, "//idem:consume decode=%s: no function %s in package %s; want %s", o.Value, o.Value, pkg.Name, want)
+				return
+			}
+			dsig := fn.Type().(*types.Signature)
+			if dsig.Params().Len() != 1 || !types.Identical(dsig.Params().At(0).Type(), types.NewSlice(types.Typ[types.Byte])) ||
+				dsig.Results().Len() != 2 || !types.Identical(dsig.Results().At(0).Type(), f.event) ||
+				!types.Identical(dsig.Results().At(1).Type(), types.Universe.Lookup("error").Type()) || dsig.TypeParams().Len() > 0 {
+				errs.add(o.Pos, "//idem:consume decode=%s: have %s, want %s", o.Value, signatureString(dsig, types.RelativeTo(pkg.Types)), want)
+				return
+			}
+			f.decode = o.Value
+		}
+	}
+	if f.decode == "" {
+		if why := jsonUnfriendly(f.event, pkg.Types); why != "" {
+			errs.add(w.pos, "//idem:consume cannot wrap %s: its event type %s %s; give a decoder with decode=", w.name, evName, why)
+			return
+		}
+	}
+	if !exportedOrLocal(f.event, pkg.Types) {
+		errs.add(w.pos, "//idem:consume cannot wrap %s: its event type %s is unexported in another package", w.name, evName)
+		return
+	}
+	m.consumes = append(m.consumes, f)
+}
+
+func exportedOrLocal(t types.Type, local *types.Package) bool {
+	if n, ok := types.Unalias(t).(*types.Named); ok && n.Obj().Pkg() != nil && n.Obj().Pkg() != local {
+		return n.Obj().Exported()
+	}
+	return true
+}
+
 // checkCollisions reports generated names that the user's code already
 // declares (outside a previous idem_gen.go) and duplicate routes.
 func checkCollisions(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 	userDecl := func(obj types.Object) bool {
 		return obj != nil && !strings.HasSuffix(pkg.Fset.Position(obj.Pos()).Filename, FileName)
 	}
+	lookup := func(w *wrapped, name string) types.Object {
+		if w != nil && w.recv != nil {
+			obj, _, _ := types.LookupFieldOrMethod(w.recv, true, pkg.Types, name)
+			return obj
+		}
+		return pkg.Types.Scope().Lookup(name)
+	}
+	collide := func(pos token.Position, kind, what, name string, obj types.Object) {
+		if userDecl(obj) {
+			errs.add(pos, "//idem:%s on %s generates %s, which %s already declares; rename one of them", kind, what, name, errs.rel(pkg.Fset.Position(obj.Pos())))
+		}
+	}
 	routes := map[string]*httpFunc{}
 	for _, f := range m.https {
-		var obj types.Object
-		if f.recv != nil {
-			obj, _, _ = types.LookupFieldOrMethod(f.recv, true, pkg.Types, f.handlerName())
-		} else {
-			obj = pkg.Types.Scope().Lookup(f.handlerName())
-		}
-		if userDecl(obj) {
-			errs.add(f.pos, "//idem:http on %s generates %s, which %s already declares; rename one of them", f.name, f.handlerName(), errs.rel(pkg.Fset.Position(obj.Pos())))
-		}
+		collide(f.pos, "http", f.name, f.handlerName(), lookup(&f.wrapped, f.handlerName()))
 		if f.route != "" {
 			if prev, dup := routes[f.route]; dup {
 				errs.add(f.pos, "route %q is already served by %s", f.route, prev.name)
@@ -307,11 +519,32 @@ func checkCollisions(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 			routes[f.route] = f
 		}
 	}
-	if m.emitted[registerName] {
-		if obj := pkg.Types.Scope().Lookup(registerName); userDecl(obj) {
-			errs.add(pkg.Fset.Position(obj.Pos()), "%s is generated by idemgen for the routed //idem:http functions of this package; rename this declaration", registerName)
+	for _, f := range m.consumes {
+		collide(f.pos, "consume", f.name, f.consumerName(), lookup(&f.wrapped, f.consumerName()))
+	}
+	for _, t := range m.outboxes {
+		collide(t.pos, "outbox", t.typ.Obj().Name(), t.enqueueName(), lookup(nil, t.enqueueName()))
+	}
+	for _, name := range []string{registerName, consumersName} {
+		if !m.emitted[name] {
+			continue
+		}
+		if obj := pkg.Types.Scope().Lookup(name); userDecl(obj) {
+			errs.add(pkg.Fset.Position(obj.Pos()), "%s is generated by idemgen for the //idem: functions of this package; rename this declaration", name)
 		}
 	}
+}
+
+// wantConsumeShape is the signature an //idem:consume function should have.
+func wantConsumeShape(sig *types.Signature, qual types.Qualifier) string {
+	ev := "Event"
+	if p := sig.Params(); p.Len() > 0 {
+		last := p.At(p.Len() - 1).Type()
+		if !isNamed(last, "context", "Context") && !isNamed(last, pgxPath, "Tx") {
+			ev = types.TypeString(last, qual)
+		}
+	}
+	return fmt.Sprintf("func(ctx context.Context, tx pgx.Tx, ev %s) error", ev)
 }
 
 func isNamed(t types.Type, path, name string) bool {

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
@@ -308,7 +309,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		if !claimed {
 			return replay(ctx, row, in)
 		}
-		crashPoint(ctx, "http.after-claim")
+		crash.Point(ctx, "http.after-claim")
 		ctx = context.WithValue(ctx, keyCtx{}, *in.key)
 	}
 
@@ -318,7 +319,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	if err != nil {
 		return nil, err
 	}
-	crashPoint(ctx, "http.after-call")
+	crash.Point(ctx, "http.after-call")
 	body, err := json.Marshal(result)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", errEncodeFailure, err)
@@ -343,11 +344,11 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	crashPoint(ctx, "http.before-commit")
+	crash.Point(ctx, "http.before-commit")
 	if err := tx.Commit(ctx); err != nil {
 		return nil, storageErr(ctx, "commit", err)
 	}
-	crashPoint(ctx, "http.after-commit")
+	crash.Point(ctx, "http.after-commit")
 	return out, nil
 }
 

@@ -52,3 +52,112 @@ WHERE (scope, principal, key) IN (
 -- Serializes concurrent runtime.Migrate calls (several pods starting at once):
 -- CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
 SELECT pg_advisory_xact_lock(7164539873465300001);
+
+-- name: InsertProcessedEvent :execrows
+-- Records that context applied event_id. 0 rows: it already had (a
+-- duplicate), and the handler must not run.
+INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
+VALUES (@context, @event_id, @topic, @kpartition, @koffset)
+ON CONFLICT (context, event_id) DO NOTHING;
+
+-- name: InsertProcessedEvents :many
+-- The batch form: one statement for a whole batch of one partition. Returns
+-- the ids that were new; the others are duplicates.
+INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
+SELECT @context, unnest(@event_ids::text[]), @topic, @kpartition, unnest(@koffsets::bigint[])
+ON CONFLICT (context, event_id) DO NOTHING
+RETURNING event_id;
+
+-- name: InsertDeadLetter :exec
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
+VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @headers, @attempts, @last_error)
+ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING;
+
+-- name: DeleteProcessedEventsBefore :execrows
+DELETE FROM idem_processed_events
+WHERE (context, event_id) IN (
+    SELECT p.context, p.event_id FROM idem_processed_events p
+    WHERE p.processed_at < @before
+    LIMIT @batch_size
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: EnqueueOutbox :exec
+INSERT INTO idem_outbox (topic, record_key, payload, headers)
+VALUES (@topic, @record_key, @payload, @headers);
+
+-- name: ClaimOutboxBatch :many
+-- Claims up to batch_size PENDING rows in id order for one relay, under its
+-- claim token, for lease_seconds. PostgreSQL's UPDATE has no LIMIT, so the
+-- rows are picked in a CTE; SKIP LOCKED lets concurrent relays claim disjoint
+-- batches instead of waiting on each other.
+WITH c AS (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PENDING'
+    ORDER BY o.id
+    LIMIT @batch_size
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idem_outbox o
+SET status = 'PUBLISHING',
+    claim_token = @claim_token,
+    locked_until = now() + make_interval(secs => @lease_seconds::float8),
+    attempts = o.attempts + 1
+FROM c
+WHERE o.id = c.id
+RETURNING o.id, o.event_id, o.topic, o.record_key, o.payload, o.headers, o.attempts;
+
+-- name: MarkOutboxPublished :execrows
+-- Only the relay holding the claim token may mark its rows: one whose lease
+-- was taken over is refused (0 rows).
+UPDATE idem_outbox
+SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until = NULL, last_error = NULL
+WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBLISHING';
+
+-- name: MarkOutboxFailed :execrows
+-- Returns failed rows to PENDING, or parks them (PARKED) when they are past
+-- the attempt budget or the failure is permanent; conditional on the claim
+-- token like MarkOutboxPublished.
+UPDATE idem_outbox o
+SET status = CASE WHEN f.permanent OR o.attempts >= @max_attempts THEN 'PARKED' ELSE 'PENDING' END,
+    last_error = f.error,
+    claim_token = NULL,
+    locked_until = NULL
+FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error, unnest(@permanent::bool[]) AS permanent) f
+WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING';
+
+-- name: ReapOutbox :execrows
+-- Returns PUBLISHING rows whose lease expired to PENDING.
+UPDATE idem_outbox
+SET status = 'PENDING', claim_token = NULL, locked_until = NULL
+WHERE status = 'PUBLISHING' AND locked_until < now();
+
+-- name: ResetOutboxPublishing :execrows
+-- On taking over as the active relay: every PUBLISHING row belongs to a
+-- predecessor that is gone; return them all to PENDING before publishing, so
+-- they go out again in id order.
+UPDATE idem_outbox
+SET status = 'PENDING', claim_token = NULL, locked_until = NULL
+WHERE status = 'PUBLISHING';
+
+-- name: TryRelayLock :one
+-- Session-level: the active relay holds it on a dedicated connection for as
+-- long as it runs; it is released when that connection ends, however the
+-- process dies.
+SELECT pg_try_advisory_lock(7164539873465300002);
+
+-- name: ListenOutbox :exec
+LISTEN idem_outbox;
+
+-- name: DeletePublishedOutbox :execrows
+DELETE FROM idem_outbox
+WHERE id IN (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PUBLISHED' AND o.published_at < @before
+    ORDER BY o.id
+    LIMIT @batch_size
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: OutboxCounts :many
+SELECT status, count(*)::bigint AS n FROM idem_outbox GROUP BY status;

@@ -8,6 +8,20 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type IdemDeadLetter struct {
+	ID         int64
+	Context    string
+	Topic      string
+	Kpartition int32
+	Koffset    int64
+	RecordKey  []byte
+	Value      []byte
+	Headers    []byte
+	Attempts   int32
+	LastError  string
+	CreatedAt  pgtype.Timestamptz
+}
+
 type IdemKey struct {
 	Scope       string
 	Principal   string
@@ -18,4 +32,29 @@ type IdemKey struct {
 	Body        []byte
 	CreatedAt   pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
+}
+
+type IdemOutbox struct {
+	ID          int64
+	EventID     string
+	Topic       string
+	RecordKey   []byte
+	Payload     []byte
+	Headers     []byte
+	Status      string
+	Attempts    int32
+	ClaimToken  pgtype.Text
+	LockedUntil pgtype.Timestamptz
+	CreatedAt   pgtype.Timestamptz
+	PublishedAt pgtype.Timestamptz
+	LastError   pgtype.Text
+}
+
+type IdemProcessedEvent struct {
+	Context     string
+	EventID     string
+	Topic       string
+	Kpartition  int32
+	Koffset     int64
+	ProcessedAt pgtype.Timestamptz
 }

@@ -50,6 +50,72 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 	return result.RowsAffected(), nil
 }
 
+const claimOutboxBatch = `-- name: ClaimOutboxBatch :many
+WITH c AS (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PENDING'
+    ORDER BY o.id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idem_outbox o
+SET status = 'PUBLISHING',
+    claim_token = $1,
+    locked_until = now() + make_interval(secs => $2::float8),
+    attempts = o.attempts + 1
+FROM c
+WHERE o.id = c.id
+RETURNING o.id, o.event_id, o.topic, o.record_key, o.payload, o.headers, o.attempts
+`
+
+type ClaimOutboxBatchParams struct {
+	ClaimToken   pgtype.Text
+	LeaseSeconds float64
+	BatchSize    int32
+}
+
+type ClaimOutboxBatchRow struct {
+	ID        int64
+	EventID   string
+	Topic     string
+	RecordKey []byte
+	Payload   []byte
+	Headers   []byte
+	Attempts  int32
+}
+
+// Claims up to batch_size PENDING rows in id order for one relay, under its
+// claim token, for lease_seconds. PostgreSQL's UPDATE has no LIMIT, so the
+// rows are picked in a CTE; SKIP LOCKED lets concurrent relays claim disjoint
+// batches instead of waiting on each other.
+func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchParams) ([]ClaimOutboxBatchRow, error) {
+	rows, err := q.db.Query(ctx, claimOutboxBatch, arg.ClaimToken, arg.LeaseSeconds, arg.BatchSize)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ClaimOutboxBatchRow
+	for rows.Next() {
+		var i ClaimOutboxBatchRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.EventID,
+			&i.Topic,
+			&i.RecordKey,
+			&i.Payload,
+			&i.Headers,
+			&i.Attempts,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const completeKey = `-- name: CompleteKey :execrows
 UPDATE idem_keys
 SET status_code = $1, headers = $2, body = $3
@@ -103,6 +169,75 @@ func (q *Queries) DeleteExpiredKeys(ctx context.Context, batchSize int32) (int64
 	return result.RowsAffected(), nil
 }
 
+const deleteProcessedEventsBefore = `-- name: DeleteProcessedEventsBefore :execrows
+DELETE FROM idem_processed_events
+WHERE (context, event_id) IN (
+    SELECT p.context, p.event_id FROM idem_processed_events p
+    WHERE p.processed_at < $1
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+`
+
+type DeleteProcessedEventsBeforeParams struct {
+	Before    pgtype.Timestamptz
+	BatchSize int32
+}
+
+func (q *Queries) DeleteProcessedEventsBefore(ctx context.Context, arg DeleteProcessedEventsBeforeParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteProcessedEventsBefore, arg.Before, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const deletePublishedOutbox = `-- name: DeletePublishedOutbox :execrows
+DELETE FROM idem_outbox
+WHERE id IN (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PUBLISHED' AND o.published_at < $1
+    ORDER BY o.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+`
+
+type DeletePublishedOutboxParams struct {
+	Before    pgtype.Timestamptz
+	BatchSize int32
+}
+
+func (q *Queries) DeletePublishedOutbox(ctx context.Context, arg DeletePublishedOutboxParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deletePublishedOutbox, arg.Before, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const enqueueOutbox = `-- name: EnqueueOutbox :exec
+INSERT INTO idem_outbox (topic, record_key, payload, headers)
+VALUES ($1, $2, $3, $4)
+`
+
+type EnqueueOutboxParams struct {
+	Topic     string
+	RecordKey []byte
+	Payload   []byte
+	Headers   []byte
+}
+
+func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) error {
+	_, err := q.db.Exec(ctx, enqueueOutbox,
+		arg.Topic,
+		arg.RecordKey,
+		arg.Payload,
+		arg.Headers,
+	)
+	return err
+}
+
 const getKey = `-- name: GetKey :one
 SELECT fingerprint, status_code, headers, body, expires_at
 FROM idem_keys
@@ -136,6 +271,177 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 	return i, err
 }
 
+const insertDeadLetter = `-- name: InsertDeadLetter :exec
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING
+`
+
+type InsertDeadLetterParams struct {
+	Context    string
+	Topic      string
+	Kpartition int32
+	Koffset    int64
+	RecordKey  []byte
+	Value      []byte
+	Headers    []byte
+	Attempts   int32
+	LastError  string
+}
+
+func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
+	_, err := q.db.Exec(ctx, insertDeadLetter,
+		arg.Context,
+		arg.Topic,
+		arg.Kpartition,
+		arg.Koffset,
+		arg.RecordKey,
+		arg.Value,
+		arg.Headers,
+		arg.Attempts,
+		arg.LastError,
+	)
+	return err
+}
+
+const insertProcessedEvent = `-- name: InsertProcessedEvent :execrows
+INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (context, event_id) DO NOTHING
+`
+
+type InsertProcessedEventParams struct {
+	Context    string
+	EventID    string
+	Topic      string
+	Kpartition int32
+	Koffset    int64
+}
+
+// Records that context applied event_id. 0 rows: it already had (a
+// duplicate), and the handler must not run.
+func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedEventParams) (int64, error) {
+	result, err := q.db.Exec(ctx, insertProcessedEvent,
+		arg.Context,
+		arg.EventID,
+		arg.Topic,
+		arg.Kpartition,
+		arg.Koffset,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const insertProcessedEvents = `-- name: InsertProcessedEvents :many
+INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
+SELECT $1, unnest($2::text[]), $3, $4, unnest($5::bigint[])
+ON CONFLICT (context, event_id) DO NOTHING
+RETURNING event_id
+`
+
+type InsertProcessedEventsParams struct {
+	Context    string
+	EventIds   []string
+	Topic      string
+	Kpartition int32
+	Koffsets   []int64
+}
+
+// The batch form: one statement for a whole batch of one partition. Returns
+// the ids that were new; the others are duplicates.
+func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessedEventsParams) ([]string, error) {
+	rows, err := q.db.Query(ctx, insertProcessedEvents,
+		arg.Context,
+		arg.EventIds,
+		arg.Topic,
+		arg.Kpartition,
+		arg.Koffsets,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []string
+	for rows.Next() {
+		var event_id string
+		if err := rows.Scan(&event_id); err != nil {
+			return nil, err
+		}
+		items = append(items, event_id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const listenOutbox = `-- name: ListenOutbox :exec
+LISTEN idem_outbox
+`
+
+func (q *Queries) ListenOutbox(ctx context.Context) error {
+	_, err := q.db.Exec(ctx, listenOutbox)
+	return err
+}
+
+const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
+UPDATE idem_outbox o
+SET status = CASE WHEN f.permanent OR o.attempts >= $1 THEN 'PARKED' ELSE 'PENDING' END,
+    last_error = f.error,
+    claim_token = NULL,
+    locked_until = NULL
+FROM (SELECT unnest($3::bigint[]) AS id, unnest($4::text[]) AS error, unnest($5::bool[]) AS permanent) f
+WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
+`
+
+type MarkOutboxFailedParams struct {
+	MaxAttempts int32
+	ClaimToken  pgtype.Text
+	Ids         []int64
+	Errors      []string
+	Permanent   []bool
+}
+
+// Returns failed rows to PENDING, or parks them (PARKED) when they are past
+// the attempt budget or the failure is permanent; conditional on the claim
+// token like MarkOutboxPublished.
+func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (int64, error) {
+	result, err := q.db.Exec(ctx, markOutboxFailed,
+		arg.MaxAttempts,
+		arg.ClaimToken,
+		arg.Ids,
+		arg.Errors,
+		arg.Permanent,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
+UPDATE idem_outbox
+SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until = NULL, last_error = NULL
+WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'PUBLISHING'
+`
+
+type MarkOutboxPublishedParams struct {
+	Ids        []int64
+	ClaimToken pgtype.Text
+}
+
+// Only the relay holding the claim token may mark its rows: one whose lease
+// was taken over is refused (0 rows).
+func (q *Queries) MarkOutboxPublished(ctx context.Context, arg MarkOutboxPublishedParams) (int64, error) {
+	result, err := q.db.Exec(ctx, markOutboxPublished, arg.Ids, arg.ClaimToken)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const migrateLock = `-- name: MigrateLock :exec
 SELECT pg_advisory_xact_lock(7164539873465300001)
 `
@@ -145,6 +451,67 @@ SELECT pg_advisory_xact_lock(7164539873465300001)
 func (q *Queries) MigrateLock(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, migrateLock)
 	return err
+}
+
+const outboxCounts = `-- name: OutboxCounts :many
+SELECT status, count(*)::bigint AS n FROM idem_outbox GROUP BY status
+`
+
+type OutboxCountsRow struct {
+	Status string
+	N      int64
+}
+
+func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
+	rows, err := q.db.Query(ctx, outboxCounts)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []OutboxCountsRow
+	for rows.Next() {
+		var i OutboxCountsRow
+		if err := rows.Scan(&i.Status, &i.N); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const reapOutbox = `-- name: ReapOutbox :execrows
+UPDATE idem_outbox
+SET status = 'PENDING', claim_token = NULL, locked_until = NULL
+WHERE status = 'PUBLISHING' AND locked_until < now()
+`
+
+// Returns PUBLISHING rows whose lease expired to PENDING.
+func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
+	result, err := q.db.Exec(ctx, reapOutbox)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const resetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
+UPDATE idem_outbox
+SET status = 'PENDING', claim_token = NULL, locked_until = NULL
+WHERE status = 'PUBLISHING'
+`
+
+// On taking over as the active relay: every PUBLISHING row belongs to a
+// predecessor that is gone; return them all to PENDING before publishing, so
+// they go out again in id order.
+func (q *Queries) ResetOutboxPublishing(ctx context.Context) (int64, error) {
+	result, err := q.db.Exec(ctx, resetOutboxPublishing)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const restoreLockTimeout = `-- name: RestoreLockTimeout :exec
@@ -167,4 +534,18 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error {
 	_, err := q.db.Exec(ctx, setLockTimeout, lockTimeout)
 	return err
+}
+
+const tryRelayLock = `-- name: TryRelayLock :one
+SELECT pg_try_advisory_lock(7164539873465300002)
+`
+
+// Session-level: the active relay holds it on a dedicated connection for as
+// long as it runs; it is released when that connection ends, however the
+// process dies.
+func (q *Queries) TryRelayLock(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, tryRelayLock)
+	var pg_try_advisory_lock bool
+	err := row.Scan(&pg_try_advisory_lock)
+	return pg_try_advisory_lock, err
 }

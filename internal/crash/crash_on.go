@@ -1,6 +1,6 @@
 //go:build idemcrash
 
-package runtime
+package crash
 
 import (
 	"context"
@@ -8,11 +8,11 @@ import (
 	"syscall"
 )
 
-// crashPoint is compiled only into the crash tests' binaries (-tags
+// Point is compiled only into the crash tests' binaries (-tags
 // idemcrash). When IDEM_CRASH_AT names this point it SIGKILLs the process;
 // when IDEM_STALL_AT names it, it blocks until ctx is cancelled, like a
 // downstream call that hangs through a shutdown's drain deadline.
-func crashPoint(ctx context.Context, name string) {
+func Point(ctx context.Context, name string) {
 	if os.Getenv("IDEM_CRASH_AT") == name {
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {} // the signal is asynchronous; never run past the point

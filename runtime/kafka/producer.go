@@ -1,0 +1,67 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"slices"
+	"sync"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	idem "github.com/idemgen/idemgen/runtime"
+)
+
+// Publisher publishes outbox messages with a franz-go client; it implements
+// runtime.Publisher for runtime.Relay.
+//
+// The client should keep franz-go's defaults for ordering: the idempotent
+// producer (on by default, with acks=all), so that records of one partition
+// land in the order they were produced even across retries, and a failed
+// record fails the records behind it in its partition instead of letting
+// them overtake it.
+type Publisher struct {
+	Client *kgo.Client
+}
+
+// NewPublisher returns a Publisher on a new client for brokers, with opts
+// added (TLS, SASL, ...).
+func NewPublisher(brokers []string, opts ...kgo.Opt) (*Publisher, error) {
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...)}, opts...)...)
+	if err != nil {
+		return nil, err
+	}
+	return &Publisher{Client: cl}, nil
+}
+
+// Close closes the client.
+func (p *Publisher) Close() { p.Client.Close() }
+
+// Publish produces every message at once, in order, and waits for all acks.
+// Each record carries the message's headers (among them idem-event-id) and
+// its key. Errors that retrying cannot fix are marked permanent.
+func (p *Publisher) Publish(ctx context.Context, msgs []idem.Message) []error {
+	errs := make([]error, len(msgs))
+	var wg sync.WaitGroup
+	wg.Add(len(msgs))
+	for i, m := range msgs {
+		rec := &kgo.Record{Topic: m.Topic, Key: m.Key, Value: m.Value}
+		for _, k := range slices.Sorted(maps.Keys(m.Headers)) {
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(m.Headers[k])})
+		}
+		p.Client.Produce(ctx, rec, func(_ *kgo.Record, err error) {
+			if err != nil && isPermanent(err) {
+				err = idem.Permanent(err)
+			}
+			errs[i] = err
+			wg.Done()
+		})
+	}
+	wg.Wait()
+	return errs
+}
+
+func isPermanent(err error) bool {
+	return errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.InvalidRecord) || errors.Is(err, kerr.RecordListTooLarge)
+}
