@@ -92,6 +92,9 @@ type Relay struct {
 	// PollInterval is the fallback when no NOTIFY arrives (default 1s); a
 	// commit normally wakes the relay at once.
 	PollInterval time.Duration
+	// DisableNotify turns LISTEN/NOTIFY off, leaving only polling (for
+	// measuring what NOTIFY buys; there is no other reason to).
+	DisableNotify bool
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 	// OnLeader, if set, is called when this relay becomes the active one.
@@ -141,8 +144,8 @@ func (r *Relay) lead(ctx context.Context) error {
 	}
 	// The lock lives as long as this session: never return the connection to
 	// the pool, where another user could inherit the lock.
-	defer conn.Hijack().Close(context.Background())
-	lockConn := conn.Conn()
+	lockConn := conn.Hijack()
+	defer lockConn.Close(context.Background())
 	q := db.New(lockConn)
 	for {
 		got, err := q.TryRelayLock(ctx)
@@ -156,8 +159,10 @@ func (r *Relay) lead(ctx context.Context) error {
 			return err
 		}
 	}
-	if err := q.ListenOutbox(ctx); err != nil {
-		return err
+	if !r.DisableNotify {
+		if err := q.ListenOutbox(ctx); err != nil {
+			return err
+		}
 	}
 	n, err := db.New(r.Pool).ResetOutboxPublishing(ctx)
 	if err != nil {

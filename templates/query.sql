@@ -143,8 +143,9 @@ WHERE status = 'PUBLISHING';
 -- name: TryRelayLock :one
 -- Session-level: the active relay holds it on a dedicated connection for as
 -- long as it runs; it is released when that connection ends, however the
--- process dies.
-SELECT pg_try_advisory_lock(7164539873465300002);
+-- process dies. The key includes the outbox table's oid, so outboxes in
+-- different schemas of one database elect their relays independently.
+SELECT pg_try_advisory_lock((7651::bigint << 32) | 'idem_outbox'::regclass::oid::bigint);
 
 -- name: ListenOutbox :exec
 LISTEN idem_outbox;

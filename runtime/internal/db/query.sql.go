@@ -537,12 +537,13 @@ func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error 
 }
 
 const tryRelayLock = `-- name: TryRelayLock :one
-SELECT pg_try_advisory_lock(7164539873465300002)
+SELECT pg_try_advisory_lock((7651::bigint << 32) | 'idem_outbox'::regclass::oid::bigint)
 `
 
 // Session-level: the active relay holds it on a dedicated connection for as
 // long as it runs; it is released when that connection ends, however the
-// process dies.
+// process dies. The key includes the outbox table's oid, so outboxes in
+// different schemas of one database elect their relays independently.
 func (q *Queries) TryRelayLock(ctx context.Context) (bool, error) {
 	row := q.db.QueryRow(ctx, tryRelayLock)
 	var pg_try_advisory_lock bool
