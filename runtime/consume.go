@@ -226,7 +226,7 @@ func (p *Processor) applyOnce(ctx context.Context, c *Consumer, rec *Record, ev 
 	if n == 0 {
 		return Duplicate, nil
 	}
-	if err := c.call(ctx, tx, ev); err != nil {
+	if err := c.call(eventContext(ctx, c, id), tx, ev); err != nil {
 		return 0, err
 	}
 	crash.Point(ctx, "consume.after-call")
@@ -305,7 +305,7 @@ func (p *Processor) applyBatch(ctx context.Context, c *Consumer, recs []*Record)
 			continue
 		}
 		delete(isNew, ids[i])
-		if err := c.call(ctx, tx, events[i]); err != nil {
+		if err := c.call(eventContext(ctx, c, ids[i]), tx, events[i]); err != nil {
 			return nil, err
 		}
 		outcomes[i] = Applied
@@ -318,6 +318,13 @@ func (p *Processor) applyBatch(ctx context.Context, c *Consumer, recs []*Record)
 		return nil, fmt.Errorf("commit: %w", err)
 	}
 	return outcomes, nil
+}
+
+// eventContext makes the event's identity available to the handler through
+// KeyFromContext, as Key{Scope: context, Key: event id}, so that downstream
+// calls derive their idempotency keys from it.
+func eventContext(ctx context.Context, c *Consumer, id string) context.Context {
+	return context.WithValue(ctx, keyCtx{}, Key{Scope: c.Context, Key: id})
 }
 
 // deadLetter stores rec in idem_dead_letters. The write is retried until it

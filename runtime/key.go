@@ -38,8 +38,10 @@ type keyCtx struct{}
 type headerCtx struct{}
 
 // KeyFromContext returns the key of the idempotent operation running under
-// ctx. It reports false outside a wrapped function, and inside one whose
-// endpoint allowed a request without a key.
+// ctx: for //idem:http, the request's key; for //idem:consume, the consumer
+// context as Scope and the event id as Key. It reports false outside a
+// wrapped function, and inside one whose endpoint allowed a request without
+// a key.
 func KeyFromContext(ctx context.Context) (Key, bool) {
 	k, ok := ctx.Value(keyCtx{}).(Key)
 	return k, ok

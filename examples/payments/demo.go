@@ -5,15 +5,23 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"strings"
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
 	"github.com/idemgen/idemgen/examples/payments/db"
 	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
 // runDemo starts the service on a loopback port and plays a client that
@@ -93,6 +101,10 @@ func runDemo(ctx context.Context, out io.Writer) error {
 		return err
 	}
 	<-served
+
+	if err := kafkaDemo(ctx, out, pool, c, run, []string{order1, order2, order3}); err != nil {
+		return err
+	}
 	if c.failed > 0 {
 		return fmt.Errorf("%d check(s) failed", c.failed)
 	}
@@ -154,4 +166,102 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// kafkaDemo plays the orders service: it publishes OrderConfirmed events,
+// each three times, as an at-least-once producer may. Billing charges each
+// order once; every charge (the HTTP ones too) goes out through the outbox;
+// notifications sends one receipt per charge.
+func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoClient, run string, httpOrders []string) error {
+	brokers, embedded := strings.Split(os.Getenv("KAFKA_BROKERS"), ","), false
+	if os.Getenv("KAFKA_BROKERS") == "" {
+		cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "orders.confirmed", "billing.charged"))
+		if err != nil {
+			return fmt.Errorf("embedded kafka: %w", err)
+		}
+		defer cluster.Close()
+		brokers, embedded = cluster.ListenAddrs(), true
+	}
+	fmt.Fprintf(out, "\n9. Kafka (%s): billing consumes orders.confirmed, the relay publishes billing.charged, notifications consumes it\n",
+		map[bool]string{true: "embedded kfake broker at " + strings.Join(brokers, ","), false: "KAFKA_BROKERS=" + strings.Join(brokers, ",")}[embedded])
+
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	cfg, err := consumerConfig(brokers)
+	if err != nil {
+		return err
+	}
+	cfg.Group = "payments-demo-" + run
+	consumer, err := kafka.NewConsumer(pool, cfg)
+	if err != nil {
+		return err
+	}
+	pub, err := kafka.NewPublisher(brokers)
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+	relay := &idem.Relay{Pool: pool, Publisher: pub}
+	wg.Add(2)
+	go func() { defer wg.Done(); _ = consumer.Run(ctx) }()
+	go func() { defer wg.Done(); _ = relay.Run(ctx) }()
+
+	producer, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.AllowAutoTopicCreation())
+	if err != nil {
+		return err
+	}
+	defer producer.Close()
+	var orders []string
+	var recs []*kgo.Record
+	for i := 1; i <= 5; i++ {
+		ev := OrderConfirmed{EventID: fmt.Sprintf("evt-%s-%d", run, i), OrderID: fmt.Sprintf("order-%s-k%d", run, i), Total: int64(1000 * i), Currency: "EUR"}
+		orders = append(orders, ev.OrderID)
+		value, _ := json.Marshal(ev)
+		for copy := 0; copy < 3; copy++ {
+			recs = append(recs, &kgo.Record{Topic: "orders.confirmed", Key: []byte(ev.OrderID), Value: value})
+		}
+	}
+	if err := producer.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		return fmt.Errorf("produce: %w", err)
+	}
+	fmt.Fprintf(out, "   produced %d OrderConfirmed records: 5 events, each delivered 3 times\n", len(recs))
+
+	q := db.New(pool)
+	all := append(append([]string{}, httpOrders...), orders...)
+	done := func() bool {
+		for _, o := range all {
+			charges, err1 := q.CountCharges(ctx, o)
+			notes, err2 := q.CountNotifications(ctx, o)
+			if err1 != nil || err2 != nil || charges < 1 || notes < 1 {
+				return false
+			}
+		}
+		return true
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for !done() && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // let any duplicate show itself
+	for _, o := range orders {
+		charges, err := q.CountCharges(ctx, o)
+		if err != nil {
+			return err
+		}
+		c.expect(charges == 1, "%s (3 deliveries) charged exactly once (%d)", o, charges)
+	}
+	for _, o := range all {
+		notes, err := q.CountNotifications(ctx, o)
+		if err != nil {
+			return err
+		}
+		c.expect(notes == 1, "%s: one receipt sent via outbox → billing.charged → notifications (%d)", o, notes)
+	}
+	counts, err := idem.NewStore(pool).OutboxCounts(ctx)
+	if err != nil {
+		return err
+	}
+	c.expect(counts["PENDING"] == 0 && counts["PUBLISHING"] == 0, "outbox drained: %v", counts)
+	return nil
 }

@@ -14,6 +14,8 @@ import (
 // changes, this file stops compiling here: run go generate again.
 var (
 	_ func(*PaymentService, context.Context, pgx.Tx, ChargeRequest) (PaymentReceipt, error) = (*PaymentService).Charge
+	_ func(*Billing, context.Context, pgx.Tx, OrderConfirmed) error                         = (*Billing).HandleOrderConfirmed
+	_ func(*Notifications, context.Context, pgx.Tx, PaymentCharged) error                   = (*Notifications).SendReceipt
 )
 
 // ChargeHandler serves POST /payments with (*PaymentService).Charge.
@@ -34,4 +36,45 @@ func (s *PaymentService) ChargeHandler(h *idem.HTTP) http.Handler {
 // RegisterIdemRoutes registers every routed //idem:http handler of this package on mux.
 func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *PaymentService) {
 	mux.Handle("POST /payments", paymentService.ChargeHandler(h))
+}
+
+// HandleOrderConfirmedConsumer consumes orders.confirmed with (*Billing).HandleOrderConfirmed.
+// Each event id (ev.EventID) is applied once in context "billing":
+// the processed-event row and the function's writes commit in one
+// transaction, and a duplicate is skipped.
+func (b *Billing) HandleOrderConfirmedConsumer() idem.Consumer {
+	return idem.Consume(idem.ConsumerSpec[OrderConfirmed]{
+		Topic:   "orders.confirmed",
+		Context: "billing",
+		EventID: func(ev OrderConfirmed) string {
+			return ev.EventID
+		},
+	}, b.HandleOrderConfirmed)
+}
+
+// SendReceiptConsumer consumes billing.charged with (*Notifications).SendReceipt.
+// Each event id (the idem-event-id record header) is applied once in context "notifications":
+// the processed-event row and the function's writes commit in one
+// transaction, and a duplicate is skipped.
+func (n *Notifications) SendReceiptConsumer() idem.Consumer {
+	return idem.Consume(idem.ConsumerSpec[PaymentCharged]{
+		Topic:   "billing.charged",
+		Context: "notifications",
+	}, n.SendReceipt)
+}
+
+// IdemConsumers returns every //idem:consume handler of this package, for
+// kafka.ConsumerConfig.Consumers (github.com/idemgen/idemgen/runtime/kafka).
+func IdemConsumers(billing *Billing, notifications *Notifications) []idem.Consumer {
+	return []idem.Consumer{
+		billing.HandleOrderConfirmedConsumer(),
+		notifications.SendReceiptConsumer(),
+	}
+}
+
+// EnqueuePaymentCharged adds ev to the outbox in tx, for topic billing.charged,
+// partition key ev.OrderID. The relay publishes it after tx commits, and never
+// if tx rolls back.
+func EnqueuePaymentCharged(ctx context.Context, tx pgx.Tx, ev PaymentCharged) error {
+	return idem.Enqueue(ctx, tx, "billing.charged", ev.OrderID, ev)
 }

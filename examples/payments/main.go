@@ -19,12 +19,15 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
 //go:embed schema.sql
@@ -45,8 +48,12 @@ func main() {
 		err = runDemo(ctx, os.Stdout)
 	case "serve":
 		err = serve(ctx)
+	case "consume":
+		err = consume(ctx)
+	case "relay":
+		err = relay(ctx)
 	default:
-		err = fmt.Errorf("unknown command %q (want demo or serve)", cmd)
+		err = fmt.Errorf("unknown command %q (want demo, serve, consume or relay)", cmd)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
@@ -117,4 +124,77 @@ func serve(ctx context.Context) error {
 	}
 	slog.Info("payments stopped", "err", err)
 	return err
+}
+
+// kafkaBrokers returns $KAFKA_BROKERS, or an error if it is unset.
+func kafkaBrokers() ([]string, error) {
+	b := os.Getenv("KAFKA_BROKERS")
+	if b == "" {
+		return nil, errors.New("KAFKA_BROKERS is not set")
+	}
+	return strings.Split(b, ","), nil
+}
+
+// consumerConfig is the consumer group of this service.
+func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
+	cfg := kafka.ConsumerConfig{
+		Brokers:    brokers,
+		Group:      "payments",
+		Consumers:  IdemConsumers(&Billing{}, &Notifications{}),
+		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
+	}
+	// Tests shorten the session timeout so a killed member's partitions move
+	// quickly; production keeps franz-go's default.
+	if d := os.Getenv("KAFKA_SESSION_TIMEOUT"); d != "" {
+		timeout, err := time.ParseDuration(d)
+		if err != nil {
+			return cfg, fmt.Errorf("KAFKA_SESSION_TIMEOUT: %w", err)
+		}
+		cfg.ClientOpts = append(cfg.ClientOpts, kgo.SessionTimeout(timeout), kgo.HeartbeatInterval(timeout/5))
+	}
+	return cfg, nil
+}
+
+func consume(ctx context.Context) error {
+	brokers, err := kafkaBrokers()
+	if err != nil {
+		return err
+	}
+	pool, err := open(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	cfg, err := consumerConfig(brokers)
+	if err != nil {
+		return err
+	}
+	c, err := kafka.NewConsumer(pool, cfg)
+	if err != nil {
+		return err
+	}
+	c.OnRecord = func(cons *idem.Consumer, rec *idem.Record, o idem.Outcome) {
+		slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+	}
+	slog.Info("payments consuming", "brokers", brokers)
+	return c.Run(ctx)
+}
+
+func relay(ctx context.Context) error {
+	brokers, err := kafkaBrokers()
+	if err != nil {
+		return err
+	}
+	pool, err := open(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	pub, err := kafka.NewPublisher(brokers)
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+	r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+	return r.Run(ctx)
 }

@@ -55,6 +55,10 @@ func (s *PaymentService) Charge(ctx context.Context, tx pgx.Tx, req ChargeReques
 	if err != nil {
 		return PaymentReceipt{}, fmt.Errorf("insert charge: %w", err)
 	}
+	// The event goes out through the outbox, in this same transaction.
+	if err := EnqueuePaymentCharged(ctx, tx, PaymentCharged{ChargeID: charge.ID, OrderID: charge.OrderID, Amount: charge.Amount, Currency: charge.Currency}); err != nil {
+		return PaymentReceipt{}, err
+	}
 	idem.ResponseHeader(ctx).Set("Location", fmt.Sprintf("/payments/%d", charge.ID))
 	return PaymentReceipt{
 		ChargeID:    charge.ID,

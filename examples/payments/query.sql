@@ -5,3 +5,9 @@ RETURNING id, order_id, amount, currency, provider_key, created_at;
 
 -- name: CountCharges :one
 SELECT count(*) FROM charges WHERE order_id = @order_id;
+
+-- name: InsertNotification :exec
+INSERT INTO notifications (charge_id, order_id) VALUES (@charge_id, @order_id);
+
+-- name: CountNotifications :one
+SELECT count(*) FROM notifications WHERE order_id = @order_id;

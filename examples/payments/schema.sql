@@ -10,3 +10,11 @@ CREATE TABLE IF NOT EXISTS charges (
     provider_key text        NOT NULL UNIQUE,
     created_at   timestamptz NOT NULL DEFAULT now()
 );
+
+-- Receipts sent by the notifications context, one per billing.charged event.
+CREATE TABLE IF NOT EXISTS notifications (
+    id         bigserial   PRIMARY KEY,
+    charge_id  bigint      NOT NULL,
+    order_id   text        NOT NULL,
+    sent_at    timestamptz NOT NULL DEFAULT now()
+);

@@ -16,3 +16,10 @@ type Charge struct {
 	ProviderKey string
 	CreatedAt   pgtype.Timestamptz
 }
+
+type Notification struct {
+	ID       int64
+	ChargeID int64
+	OrderID  string
+	SentAt   pgtype.Timestamptz
+}

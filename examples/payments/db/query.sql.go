@@ -20,6 +20,17 @@ func (q *Queries) CountCharges(ctx context.Context, orderID string) (int64, erro
 	return count, err
 }
 
+const countNotifications = `-- name: CountNotifications :one
+SELECT count(*) FROM notifications WHERE order_id = $1
+`
+
+func (q *Queries) CountNotifications(ctx context.Context, orderID string) (int64, error) {
+	row := q.db.QueryRow(ctx, countNotifications, orderID)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
 const insertCharge = `-- name: InsertCharge :one
 INSERT INTO charges (order_id, amount, currency, provider_key)
 VALUES ($1, $2, $3, $4)
@@ -50,4 +61,18 @@ func (q *Queries) InsertCharge(ctx context.Context, arg InsertChargeParams) (Cha
 		&i.CreatedAt,
 	)
 	return i, err
+}
+
+const insertNotification = `-- name: InsertNotification :exec
+INSERT INTO notifications (charge_id, order_id) VALUES ($1, $2)
+`
+
+type InsertNotificationParams struct {
+	ChargeID int64
+	OrderID  string
+}
+
+func (q *Queries) InsertNotification(ctx context.Context, arg InsertNotificationParams) error {
+	_, err := q.db.Exec(ctx, insertNotification, arg.ChargeID, arg.OrderID)
+	return err
 }
