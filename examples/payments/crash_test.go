@@ -64,15 +64,29 @@ type child struct {
 	cmd    *exec.Cmd
 	addr   string
 	exited chan struct{}
+
+	mu    sync.Mutex
+	lines []string // stderr, for log assertions
 }
 
-var listening = regexp.MustCompile(`payments listening.*addr=(\S+)`)
+var (
+	listening = regexp.MustCompile(`payments listening.*addr=(\S+)`)
+	consuming = regexp.MustCompile(`payments consuming`)
+	leading   = regexp.MustCompile(`payments relay leading`)
+)
 
 // startChild runs `payments serve` on a free port with extra env.
 func startChild(t *testing.T, dbURL string, env ...string) *child {
 	t.Helper()
-	cmd := exec.Command(buildCrashBinary(t), "serve")
-	cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0"}, env...)...)
+	return startProcess(t, "serve", listening, append([]string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0"}, env...)...)
+}
+
+// startProcess runs `payments <subcmd>` and waits for a stderr line matching
+// ready (its first submatch, if any, becomes c.addr).
+func startProcess(t *testing.T, subcmd string, ready *regexp.Regexp, env ...string) *child {
+	t.Helper()
+	cmd := exec.Command(buildCrashBinary(t), subcmd)
+	cmd.Env = append(os.Environ(), env...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -85,8 +99,14 @@ func startChild(t *testing.T, dbURL string, env ...string) *child {
 	go func() {
 		sc := bufio.NewScanner(stderr)
 		for sc.Scan() {
-			if m := listening.FindStringSubmatch(sc.Text()); m != nil {
-				found <- m[1]
+			c.mu.Lock()
+			c.lines = append(c.lines, sc.Text())
+			c.mu.Unlock()
+			if m := ready.FindStringSubmatch(sc.Text()); m != nil {
+				select {
+				case found <- append(m, "")[1]:
+				default:
+				}
 			}
 		}
 		_ = cmd.Wait()
@@ -96,11 +116,34 @@ func startChild(t *testing.T, dbURL string, env ...string) *child {
 	select {
 	case c.addr = <-found:
 	case <-c.exited:
-		t.Fatal("child exited before listening")
+		select {
+		case c.addr = <-found: // ready, then gone (a crash test's kill)
+		default:
+			t.Fatalf("payments %s exited before it was ready:\n%s", subcmd, c.log())
+		}
 	case <-time.After(30 * time.Second):
-		t.Fatal("child did not start listening in 30s")
+		t.Fatalf("payments %s not ready in 30s:\n%s", subcmd, c.log())
 	}
 	return c
+}
+
+func (c *child) log() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return strings.Join(c.lines, "\n")
+}
+
+// waitLog waits for a stderr line matching re.
+func (c *child) waitLog(t *testing.T, re *regexp.Regexp) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		if re.MatchString(c.log()) {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("no log line matching %v:\n%s", re, c.log())
 }
 
 func (c *child) waitExit(t *testing.T) {
@@ -109,6 +152,22 @@ func (c *child) waitExit(t *testing.T) {
 	case <-c.exited:
 	case <-time.After(30 * time.Second):
 		t.Fatal("child did not exit")
+	}
+}
+
+// killedBySIGKILL reports whether the child died of SIGKILL (a crash point).
+func (c *child) killedBySIGKILL() bool {
+	ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+// stop sends SIGTERM and waits for a clean exit.
+func (c *child) stop(t *testing.T) {
+	t.Helper()
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	c.waitExit(t)
+	if !c.cmd.ProcessState.Success() {
+		t.Fatalf("SIGTERM: child exited %v, want a clean exit:\n%s", c.cmd.ProcessState, c.log())
 	}
 }
 
@@ -157,7 +216,7 @@ func TestCrashAtEveryPoint(t *testing.T) {
 				t.Fatalf("the killed service answered: %d %s", status, body)
 			}
 			c.waitExit(t)
-			if ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || ws.Signal() != syscall.SIGKILL {
+			if !c.killedBySIGKILL() {
 				t.Fatalf("child ended with %v, want SIGKILL at %s", c.cmd.ProcessState, p.name)
 			}
 			charges, _ := counts(t, pool, order)
@@ -181,11 +240,7 @@ func TestCrashAtEveryPoint(t *testing.T) {
 			if charges, _ := counts(t, pool, order); charges != 1 {
 				t.Fatalf("after retries: %d charges, want exactly 1", charges)
 			}
-			_ = c2.cmd.Process.Signal(syscall.SIGTERM)
-			c2.waitExit(t)
-			if !c2.cmd.ProcessState.Success() {
-				t.Fatalf("SIGTERM: child exited %v, want a clean exit", c2.cmd.ProcessState)
-			}
+			c2.stop(t)
 		})
 	}
 }
