@@ -26,9 +26,11 @@ type Publisher struct {
 }
 
 // NewPublisher returns a Publisher on a new client for brokers, with opts
-// added (TLS, SASL, ...).
+// added (TLS, SASL, ...). Lingering is off: the relay hands over a whole
+// batch at once and then waits for its acks, so waiting for more records
+// would only add latency.
 func NewPublisher(brokers []string, opts ...kgo.Opt) (*Publisher, error) {
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...)}, opts...)...)
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.ProducerLinger(0)}, opts...)...)
 	if err != nil {
 		return nil, err
 	}
