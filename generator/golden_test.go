@@ -20,7 +20,7 @@ import (
 var update = flag.Bool("update", false, "rewrite the want sections of testdata/golden/*.txtar")
 
 // repoRoot is the module root, two levels up from this file's package.
-func repoRoot(t *testing.T) string {
+func repoRoot(t testing.TB) string {
 	t.Helper()
 	_, file, _, _ := runtime.Caller(0)
 	return filepath.Dir(filepath.Dir(file))
@@ -29,7 +29,7 @@ func repoRoot(t *testing.T) string {
 // newModule creates a temporary module that requires this repository (via a
 // replace directive) with the same dependency versions, so golden inputs can
 // import pgx and the runtime without the network.
-func newModule(t *testing.T) string {
+func newModule(t testing.TB) string {
 	t.Helper()
 	root := repoRoot(t)
 	dir := t.TempDir()
@@ -59,7 +59,7 @@ func goEnv() []string {
 	return append(os.Environ(), "GOFLAGS=-mod=mod", "GOPROXY=off", "GOWORK=off")
 }
 
-func write(t *testing.T, path, content string) {
+func write(t testing.TB, path, content string) {
 	t.Helper()
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		t.Fatal(err)
