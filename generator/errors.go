@@ -84,8 +84,6 @@ func (s *errorSink) result() error {
 	return out
 }
 
-type tokenPosition = token.Position
-
 // parsePos parses go/packages' "file:line:col" (or "file:line", or "-")
 // error positions.
 func parsePos(s string) token.Position {

@@ -9,6 +9,7 @@ import (
 	"context"
 	"fmt"
 	"go/ast"
+	"go/token"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -195,11 +196,9 @@ func reportLoadErrors(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 	}
 }
 
-func pkgPosition(pkg *packages.Package) tokenPosition {
+func pkgPosition(pkg *packages.Package) token.Position {
 	if len(pkg.GoFiles) > 0 {
-		return tokenPosition{Filename: pkg.GoFiles[0]}
+		return token.Position{Filename: pkg.GoFiles[0]}
 	}
-	return tokenPosition{Filename: pkg.PkgPath}
+	return token.Position{Filename: pkg.PkgPath}
 }
-
-func dirOf(filename string) string { return filepath.Dir(filename) }

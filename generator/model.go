@@ -5,6 +5,7 @@ import (
 	"go/ast"
 	"go/token"
 	"go/types"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -125,7 +126,7 @@ func buildModel(pkg *packages.Package, errs *errorSink) *pkgModel {
 	for i, file := range pkg.Syntax {
 		filename := pkg.Fset.Position(file.Package).Filename
 		if i == 0 {
-			m.dir = dirOf(filename)
+			m.dir = filepath.Dir(filename)
 		}
 		if isGeneratedFile(filename, file) {
 			continue

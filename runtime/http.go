@@ -317,6 +317,12 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	ctx = context.WithValue(ctx, headerCtx{}, header)
 	result, err := call(ctx, tx)
 	if err != nil {
+		var e *Error
+		if !errors.As(err, &e) && tx.Conn().IsClosed() {
+			// The function failed because the database connection died under
+			// it: a storage failure (503, retry later), not a bug (500).
+			return nil, storageErr(ctx, "function's transaction", err)
+		}
 		return nil, err
 	}
 	crash.Point(ctx, "http.after-call")

@@ -423,7 +423,7 @@ func TestStorageUnavailableFailsClosed(t *testing.T) {
 
 // The database connection dies in the middle of the function's transaction
 // (a PostgreSQL restart, a network cut): nothing is stored, the client gets
-// 503, and the retry runs the function once.
+// 503 with Retry-After (not a 500), and the retry runs the function once.
 func TestConnectionKilledMidTransaction(t *testing.T) {
 	e := newEnv(t)
 	var kill atomic.Bool
@@ -445,7 +445,10 @@ func TestConnectionKilledMidTransaction(t *testing.T) {
 	}
 	h := e.handler(idem.Endpoint{})
 	r := do(h, "k-kill", body1)
-	wantProblem(t, r, http.StatusInternalServerError)
+	wantProblem(t, r, http.StatusServiceUnavailable)
+	if r.header.Get("Retry-After") == "" {
+		t.Fatal("503 without Retry-After")
+	}
 	if e.effects() != 0 || e.keys() != 0 {
 		t.Fatalf("after the kill: effects %d, keys %d", e.effects(), e.keys())
 	}
