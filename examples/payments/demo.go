@@ -39,7 +39,7 @@ func runDemo(ctx context.Context, out io.Writer) error {
 	}
 	srv := &http.Server{Handler: newMux(pool)}
 	served := make(chan error, 1)
-	go func() { served <- idem.ServeHTTP(ctx, srv, ln, 5*time.Second) }()
+	go func() { served <- idem.ServeHTTP(ctx, srv, ln, 5*time.Second, nil) }()
 	defer srv.Close()
 	base := "http://" + ln.Addr().String()
 

@@ -117,8 +117,11 @@ func serve(ctx context.Context) error {
 			return fmt.Errorf("DRAIN_TIMEOUT: %w", err)
 		}
 	}
-	srv := &http.Server{Handler: newMux(pool), ReadHeaderTimeout: 5 * time.Second}
-	err = idem.ServeHTTP(ctx, srv, ln, drain)
+	mux := newMux(pool)
+	ready := &idem.Readiness{}
+	mux.Handle("GET /readyz", ready)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	err = idem.ServeHTTP(ctx, srv, ln, drain, ready)
 	if errors.Is(err, http.ErrServerClosed) {
 		err = nil
 	}
