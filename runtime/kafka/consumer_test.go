@@ -137,6 +137,19 @@ func TestPoisonRecordsDeadLettered(t *testing.T) {
 			if n := count(t, pool, `SELECT count(*) FROM effects`); n != 2 {
 				t.Fatalf("%d effects, want 2 (the partition kept moving)", n)
 			}
+
+			// A redelivery (a group that re-reads everything) does not
+			// duplicate the dead letters.
+			var again outcomes
+			r = startConsumer(t, pool, kafka.ConsumerConfig{
+				Brokers: addrs, Group: "again", BatchSize: batch, Consumers: []idem.Consumer{orderConsumer("orders", handler)},
+				Retry: idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 5 * time.Millisecond},
+			}, &again)
+			waitUntil(t, "5 redelivered records", func() bool { return again.total() == 5 })
+			r.shutdown(t)
+			if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 3 {
+				t.Fatalf("%d dead letters after redelivery, want still 3", n)
+			}
 		})
 	}
 }

@@ -328,3 +328,43 @@ func TestRetention(t *testing.T) {
 		t.Fatalf("deleted %d processed events (%v), want 10", n, err)
 	}
 }
+
+// The reaper returns a PUBLISHING row whose lease expired (a batch abandoned
+// without a takeover) to PENDING, and the relay then publishes it.
+func TestReaperReturnsExpiredLease(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "events")
+	pool := db(t)
+	led := make(chan struct{})
+	startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), PollInterval: 20 * time.Millisecond,
+		Lease: 200 * time.Millisecond, OnLeader: func() { close(led) }})
+	<-led // the takeover reset has run; only the reaper can help now
+	if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, record_key, payload, status, claim_token, locked_until, attempts)
+		VALUES ('events', 'k', '{"key":"k","seq":0}', 'PUBLISHING', 'ghost', now() - interval '1 second', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	recs := readTopic(t, addrs, "events", 1)
+	if !strings.Contains(string(recs[0].Value), `"seq":0`) {
+		t.Fatalf("published %s", recs[0].Value)
+	}
+	waitUntil(t, "the reaped row to be PUBLISHED", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 1 })
+}
+
+// Shutdown while a batch is being published: the relay finishes that batch
+// and marks it, instead of leaving it PUBLISHING.
+func TestRelayShutdownFinishesBatch(t *testing.T) {
+	t.Parallel()
+	pool := db(t)
+	enqueue(t, pool, "events", keyed{Key: "a", Seq: 0}, keyed{Key: "a", Seq: 1})
+	pub := &blockingPublisher{entered: make(chan []idem.Message, 1), release: make(chan error, 1)}
+	stop := startRelay(t, &idem.Relay{Pool: pool, Publisher: pub, PollInterval: 20 * time.Millisecond})
+	<-pub.entered
+	stopped := make(chan struct{})
+	go func() { stop(); close(stopped) }()
+	time.Sleep(100 * time.Millisecond)
+	pub.release <- nil // the acks arrive after shutdown began
+	<-stopped
+	if c := statusCounts(t, pool); c["PUBLISHED"] != 2 {
+		t.Fatalf("statuses after shutdown %v, want both rows PUBLISHED", c)
+	}
+}
