@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemgen/idemgen/examples/payments/db"
-	idem "github.com/idemgen/idemgen/runtime"
 )
 
 // OrderConfirmed arrives on orders.confirmed from the orders service.
@@ -36,21 +34,8 @@ type Billing struct{}
 //
 //idem:consume topic=orders.confirmed context=billing id=EventID
 func (b *Billing) HandleOrderConfirmed(ctx context.Context, tx pgx.Tx, ev OrderConfirmed) error {
-	// The provider key derives from the event: every redelivery of this
-	// event sends the provider the same key.
-	key, _ := idem.KeyFromContext(ctx)
-	charge, err := db.New(tx).InsertCharge(ctx, db.InsertChargeParams{
-		OrderID:     ev.OrderID,
-		Amount:      ev.Total,
-		Currency:    ev.Currency,
-		ProviderKey: key.Derive("provider.charge"),
-	})
-	if err != nil {
-		return fmt.Errorf("charge order %s: %w", ev.OrderID, err)
-	}
-	return EnqueuePaymentCharged(ctx, tx, PaymentCharged{
-		ChargeID: charge.ID, OrderID: charge.OrderID, Amount: charge.Amount, Currency: charge.Currency,
-	})
+	_, err := chargeOrder(ctx, tx, ev.OrderID, ev.Total, ev.Currency)
+	return err
 }
 
 // Notifications sends receipts.

@@ -158,7 +158,8 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 	return cfg, nil
 }
 
-func consume(ctx context.Context) error {
+// withKafka opens the database and runs fn with it and $KAFKA_BROKERS.
+func withKafka(ctx context.Context, fn func(pool *pgxpool.Pool, brokers []string) error) error {
 	brokers, err := kafkaBrokers()
 	if err != nil {
 		return err
@@ -168,36 +169,35 @@ func consume(ctx context.Context) error {
 		return err
 	}
 	defer pool.Close()
-	cfg, err := consumerConfig(brokers)
-	if err != nil {
-		return err
-	}
-	c, err := kafka.NewConsumer(pool, cfg)
-	if err != nil {
-		return err
-	}
-	c.OnRecord = func(cons *idem.Consumer, rec *idem.Record, o idem.Outcome) {
-		slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
-	}
-	slog.Info("payments consuming", "brokers", brokers)
-	return c.Run(ctx)
+	return fn(pool, brokers)
+}
+
+func consume(ctx context.Context) error {
+	return withKafka(ctx, func(pool *pgxpool.Pool, brokers []string) error {
+		cfg, err := consumerConfig(brokers)
+		if err != nil {
+			return err
+		}
+		c, err := kafka.NewConsumer(pool, cfg)
+		if err != nil {
+			return err
+		}
+		c.OnRecord = func(cons *idem.Consumer, rec *idem.Record, o idem.Outcome) {
+			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+		}
+		slog.Info("payments consuming", "brokers", brokers)
+		return c.Run(ctx)
+	})
 }
 
 func relay(ctx context.Context) error {
-	brokers, err := kafkaBrokers()
-	if err != nil {
-		return err
-	}
-	pool, err := open(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	pub, err := kafka.NewPublisher(brokers)
-	if err != nil {
-		return err
-	}
-	defer pub.Close()
-	r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
-	return r.Run(ctx)
+	return withKafka(ctx, func(pool *pgxpool.Pool, brokers []string) error {
+		pub, err := kafka.NewPublisher(brokers)
+		if err != nil {
+			return err
+		}
+		defer pub.Close()
+		r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+		return r.Run(ctx)
+	})
 }

@@ -43,20 +43,8 @@ func (s *PaymentService) Charge(ctx context.Context, tx pgx.Tx, req ChargeReques
 		return PaymentReceipt{}, idem.Errorf(http.StatusUnprocessableEntity,
 			"order_id, a positive amount and a 3-letter currency are required")
 	}
-	// The payment provider gets a key derived from ours: the same on every
-	// retry of this charge, so the provider can deduplicate too.
-	key, _ := idem.KeyFromContext(ctx)
-	charge, err := db.New(tx).InsertCharge(ctx, db.InsertChargeParams{
-		OrderID:     req.OrderID,
-		Amount:      req.Amount,
-		Currency:    req.Currency,
-		ProviderKey: key.Derive("provider.charge"),
-	})
+	charge, err := chargeOrder(ctx, tx, req.OrderID, req.Amount, req.Currency)
 	if err != nil {
-		return PaymentReceipt{}, fmt.Errorf("insert charge: %w", err)
-	}
-	// The event goes out through the outbox, in this same transaction.
-	if err := EnqueuePaymentCharged(ctx, tx, PaymentCharged{ChargeID: charge.ID, OrderID: charge.OrderID, Amount: charge.Amount, Currency: charge.Currency}); err != nil {
 		return PaymentReceipt{}, err
 	}
 	idem.ResponseHeader(ctx).Set("Location", fmt.Sprintf("/payments/%d", charge.ID))
@@ -68,4 +56,25 @@ func (s *PaymentService) Charge(ctx context.Context, tx pgx.Tx, req ChargeReques
 		ProviderKey: charge.ProviderKey,
 		CreatedAt:   charge.CreatedAt.Time,
 	}, nil
+}
+
+// chargeOrder records a charge and announces it through the outbox, in tx.
+// The payment provider gets a key derived from the operation's own key (the
+// HTTP Idempotency-Key, or the consumed event's id): the same on every retry
+// of this operation, so the provider can deduplicate too.
+func chargeOrder(ctx context.Context, tx pgx.Tx, orderID string, amount int64, currency string) (db.Charge, error) {
+	key, _ := idem.KeyFromContext(ctx)
+	charge, err := db.New(tx).InsertCharge(ctx, db.InsertChargeParams{
+		OrderID:     orderID,
+		Amount:      amount,
+		Currency:    currency,
+		ProviderKey: key.Derive("provider.charge"),
+	})
+	if err != nil {
+		return db.Charge{}, fmt.Errorf("charge order %s: %w", orderID, err)
+	}
+	err = EnqueuePaymentCharged(ctx, tx, PaymentCharged{
+		ChargeID: charge.ID, OrderID: charge.OrderID, Amount: charge.Amount, Currency: charge.Currency,
+	})
+	return charge, err
 }
