@@ -225,6 +225,16 @@ func (r *Relay) relayBatch(ctx context.Context, token string) (int, error) {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.Lease)
 	defer cancel()
 	errs := r.Publisher.Publish(bctx, msgs)
+	if len(errs) != len(msgs) {
+		// A Publisher that breaks its contract cannot tell us what was acked:
+		// count nothing as published (the rows go out again, and consumers
+		// dedupe) rather than guess.
+		err := fmt.Errorf("publisher returned %d results for %d messages", len(errs), len(msgs))
+		errs = make([]error, len(msgs))
+		for i := range errs {
+			errs[i] = err
+		}
+	}
 	crash.Point(bctx, "relay.after-publish")
 	return len(rows), r.record(bctx, token, msgs, errs)
 }
