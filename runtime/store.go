@@ -25,9 +25,6 @@ func NewStore(pool *pgxpool.Pool) *Store {
 	return &Store{pool: pool, q: db.New(pool)}
 }
 
-// Pool returns the pool the store was built on.
-func (s *Store) Pool() *pgxpool.Pool { return s.pool }
-
 // Schema returns the DDL that Migrate applies; `idemgen schema` prints it.
 func Schema() string { return templates.Schema }
 

@@ -368,3 +368,22 @@ func TestRelayShutdownFinishesBatch(t *testing.T) {
 		t.Fatalf("statuses after shutdown %v, want both rows PUBLISHED", c)
 	}
 }
+
+// A commit wakes the relay through NOTIFY: with a poll interval of a minute,
+// an enqueued event is still published within seconds.
+func TestNotifyWakesRelay(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "events")
+	pool := db(t)
+	led := make(chan struct{})
+	startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), PollInterval: time.Minute,
+		OnLeader: func() { close(led) }})
+	<-led
+	time.Sleep(100 * time.Millisecond) // the relay's first (empty) claim is done; it now waits
+	start := time.Now()
+	enqueue(t, pool, "events", keyed{Key: "k", Seq: 0})
+	readTopic(t, addrs, "events", 1)
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("published after %v: the commit did not wake the relay", took)
+	}
+}
