@@ -29,7 +29,7 @@ func emit(m *pkgModel) ([]byte, error) {
 	e.f.ImportName(pgxPath, "pgx")
 	e.f.ImportName("fmt", "fmt")
 	e.f.ImportName("strconv", "strconv")
-	e.f.ImportAlias(runtimePath, "idem")
+	e.f.ImportName(runtimePath, "idem")
 
 	e.guards()
 	for _, h := range m.https {
@@ -182,8 +182,8 @@ func (e *emitter) registerRoutes() {
 // consumer emits the constructor of one //idem:consume handler:
 //
 //	// HandleOrderConfirmedConsumer consumes orders.confirmed with ...
-//	func (b *Billing) HandleOrderConfirmedConsumer() idem.Consumer {
-//		return idem.Consume(idem.ConsumerSpec[OrderConfirmed]{
+//	func (b *Billing) HandleOrderConfirmedConsumer() idem.EventHandler {
+//		return idem.Consume(idem.EventSpec[OrderConfirmed]{
 //			Topic:   "orders.confirmed",
 //			Context: "billing",
 //			EventID: func(ev OrderConfirmed) string { return ev.EventID },
@@ -217,9 +217,9 @@ func (e *emitter) consumer(c *consumeFunc) {
 		fn = jen.Id(recv).Dot(c.name)
 		decl = decl.Params(jen.Id(recv).Add(e.recvType(&c.wrapped)))
 	}
-	decl.Id(c.consumerName()).Params().Qual(runtimePath, "Consumer").Block(
+	decl.Id(c.consumerName()).Params().Qual(runtimePath, "EventHandler").Block(
 		jen.Return(jen.Qual(runtimePath, "Consume").Call(
-			jen.Qual(runtimePath, "ConsumerSpec").Types(e.typ(c.event)).Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
+			jen.Qual(runtimePath, "EventSpec").Types(e.typ(c.event)).Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
 			fn,
 		)),
 	)
@@ -229,8 +229,8 @@ func (e *emitter) consumer(c *consumeFunc) {
 // consumerList emits, when the package has consumers:
 //
 //	// IdemConsumers returns every //idem:consume handler of this package ...
-//	func IdemConsumers(billing *Billing) []idem.Consumer {
-//		return []idem.Consumer{billing.HandleOrderConfirmedConsumer()}
+//	func IdemConsumers(billing *Billing) []idem.EventHandler {
+//		return []idem.EventHandler{billing.HandleOrderConfirmedConsumer()}
 //	}
 func (e *emitter) consumerList() {
 	if len(e.m.consumes) == 0 {
@@ -243,9 +243,9 @@ func (e *emitter) consumerList() {
 	}
 	e.f.Line()
 	e.f.Commentf("%s returns every //idem:consume handler of this package, for", consumersName)
-	e.f.Comment("kafka.ConsumerConfig.Consumers (github.com/idemgen/idemgen/runtime/kafka).")
-	e.f.Func().Id(consumersName).Params(rp.params(e)...).Index().Qual(runtimePath, "Consumer").Block(
-		jen.Return(jen.Index().Qual(runtimePath, "Consumer").Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, items...)),
+	e.f.Comment("kafka.ConsumerConfig.Handlers (github.com/idemgen/idemgen/runtime/kafka).")
+	e.f.Func().Id(consumersName).Params(rp.params(e)...).Index().Qual(runtimePath, "EventHandler").Block(
+		jen.Return(jen.Index().Qual(runtimePath, "EventHandler").Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, items...)),
 	)
 }
 

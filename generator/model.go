@@ -15,7 +15,7 @@ import (
 
 // Import paths the generated code and the shape checks refer to.
 const (
-	runtimePath = "github.com/idemgen/idemgen/runtime"
+	runtimePath = "github.com/idemgen/idemgen/runtime/idem"
 	pgxPath     = "github.com/jackc/pgx/v5"
 )
 

@@ -49,7 +49,7 @@ WHERE (scope, principal, key) IN (
 );
 
 -- name: MigrateLock :exec
--- Serializes concurrent runtime.Migrate calls (several pods starting at once):
+-- Serializes concurrent idem.Migrate calls (several pods starting at once):
 -- CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
 SELECT pg_advisory_xact_lock(7164539873465300001);
 

@@ -1,6 +1,6 @@
 // Package templates holds the SQL that idemgen's runtime relies on. The same
 // files are the input of sqlc (see sqlc.yaml at the module root), the output of
-// `idemgen schema`, and what runtime.Migrate applies, so all three always agree.
+// `idemgen schema`, and what idem.Migrate applies, so all three always agree.
 package templates
 
 import _ "embed"

@@ -4,7 +4,7 @@
 //	idemgen [gen] [-tags list] [packages]     write idem_gen.go files (default ".")
 //	idemgen check [-tags list] [packages]     exit 0 if generated code is current, 1 if not
 //	idemgen diff  [-tags list] [packages]     print what gen would change; exit like check
-//	idemgen schema                            print the SQL schema runtime.Migrate applies
+//	idemgen schema                            print the SQL schema idem.Migrate applies
 //
 // check and diff never write, and exit 2 on an error, like diff(1).
 package main
@@ -25,7 +25,7 @@ import (
 	"github.com/rogpeppe/go-internal/diff"
 
 	"github.com/idemgen/idemgen/generator"
-	"github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 // Exit codes. check and diff follow diff(1): 0 same, 1 different, 2 trouble.
@@ -67,7 +67,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 	switch cmd {
 	case "schema":
-		fmt.Fprint(stdout, runtime.Schema())
+		fmt.Fprint(stdout, idem.Schema())
 		return exitOK
 	case "gen":
 		files, err := generator.Generate(ctx, cfg, fset.Args()...)
@@ -94,7 +94,7 @@ const usage = `usage:
   idemgen [gen] [-tags list] [packages]   write idem_gen.go for each package with //idem: directives
   idemgen check [-tags list] [packages]   exit 0 if generated code is current, 1 if not, 2 on error
   idemgen diff  [-tags list] [packages]   print the unified diff gen would apply; exit codes as check
-  idemgen schema                          print the SQL that runtime.Migrate applies
+  idemgen schema                          print the SQL that idem.Migrate applies
 packages default to "."; GOFLAGS and the go command's environment apply.
 `
 

@@ -4,7 +4,7 @@ package main
 
 import (
 	"context"
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/jackc/pgx/v5"
 	"net/http"
 	"time"
@@ -42,8 +42,8 @@ func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *Paymen
 // Each event id (ev.EventID) is applied once in context "billing":
 // the processed-event row and the function's writes commit in one
 // transaction, and a duplicate is skipped.
-func (b *Billing) HandleOrderConfirmedConsumer() idem.Consumer {
-	return idem.Consume(idem.ConsumerSpec[OrderConfirmed]{
+func (b *Billing) HandleOrderConfirmedConsumer() idem.EventHandler {
+	return idem.Consume(idem.EventSpec[OrderConfirmed]{
 		Topic:   "orders.confirmed",
 		Context: "billing",
 		EventID: func(ev OrderConfirmed) string {
@@ -56,17 +56,17 @@ func (b *Billing) HandleOrderConfirmedConsumer() idem.Consumer {
 // Each event id (the idem-event-id record header) is applied once in context "notifications":
 // the processed-event row and the function's writes commit in one
 // transaction, and a duplicate is skipped.
-func (n *Notifications) SendReceiptConsumer() idem.Consumer {
-	return idem.Consume(idem.ConsumerSpec[PaymentCharged]{
+func (n *Notifications) SendReceiptConsumer() idem.EventHandler {
+	return idem.Consume(idem.EventSpec[PaymentCharged]{
 		Topic:   "billing.charged",
 		Context: "notifications",
 	}, n.SendReceipt)
 }
 
 // IdemConsumers returns every //idem:consume handler of this package, for
-// kafka.ConsumerConfig.Consumers (github.com/idemgen/idemgen/runtime/kafka).
-func IdemConsumers(billing *Billing, notifications *Notifications) []idem.Consumer {
-	return []idem.Consumer{
+// kafka.ConsumerConfig.Handlers (github.com/idemgen/idemgen/runtime/kafka).
+func IdemConsumers(billing *Billing, notifications *Notifications) []idem.EventHandler {
+	return []idem.EventHandler{
 		billing.HandleOrderConfirmedConsumer(),
 		notifications.SendReceiptConsumer(),
 	}

@@ -13,7 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -164,13 +164,13 @@ func TestRelayCrashBetweenPublishAndMark(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.Consumers = IdemConsumers(&Billing{}, &Notifications{})[1:]
+	cfg.Handlers = IdemConsumers(&Billing{}, &Notifications{})[1:]
 	cons, err := kafka.NewConsumer(k.pool, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	outcomes := make(chan idem.Outcome, 10)
-	cons.OnRecord = func(_ *idem.Consumer, _ *idem.Record, o idem.Outcome) { outcomes <- o }
+	cons.OnRecord = func(_ *idem.EventHandler, _ *idem.Record, o idem.Outcome) { outcomes <- o }
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- cons.Run(cctx) }()

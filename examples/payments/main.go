@@ -26,7 +26,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -143,7 +143,7 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 	cfg := kafka.ConsumerConfig{
 		Brokers:    brokers,
 		Group:      "payments",
-		Consumers:  IdemConsumers(&Billing{}, &Notifications{}),
+		Handlers:  IdemConsumers(&Billing{}, &Notifications{}),
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
 	}
 	// Tests shorten the session timeout so a killed member's partitions move
@@ -182,7 +182,7 @@ func consume(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c.OnRecord = func(cons *idem.Consumer, rec *idem.Record, o idem.Outcome) {
+		c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
 			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
 		}
 		slog.Info("payments consuming", "brokers", brokers)

@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 	idemdb "github.com/idemgen/idemgen/runtime/internal/db"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
@@ -67,9 +67,9 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 // idemConsume runs a Consumer in its own group and context until it has
 // done want records; it returns the time from the first to the last.
 func idemConsume(b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want, batch int) time.Duration {
-	cons := idem.Consume(idem.ConsumerSpec[order]{Topic: "bench", Context: group, EventID: func(o order) string { return o.EventID }}, applyOrder)
+	cons := idem.Consume(idem.EventSpec[order]{Topic: "bench", Context: group, EventID: func(o order) string { return o.EventID }}, applyOrder)
 	c, err := kafka.NewConsumer(pool, kafka.ConsumerConfig{
-		Brokers: addrs, Group: group, Consumers: []idem.Consumer{cons}, BatchSize: batch, MaxPollRecords: 1000,
+		Brokers: addrs, Group: group, Handlers: []idem.EventHandler{cons}, BatchSize: batch, MaxPollRecords: 1000,
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
 			kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
 				return start, nil
@@ -82,7 +82,7 @@ func idemConsume(b *testing.B, addrs []string, pool *pgxpool.Pool, group string,
 	var first, last time.Time
 	done := 0
 	finished := make(chan struct{})
-	c.OnRecord = func(*idem.Consumer, *idem.Record, idem.Outcome) {
+	c.OnRecord = func(*idem.EventHandler, *idem.Record, idem.Outcome) {
 		mu.Lock()
 		defer mu.Unlock()
 		now := time.Now()

@@ -1,6 +1,6 @@
 // Package kafka runs idemgen's consumers and outbox relay on Kafka with
 // franz-go (kgo). The runtime package holds the broker-agnostic logic; this
-// package adapts it: it polls records, hands them to a runtime.Processor, and
+// package adapts it: it polls records, hands them to a idem.Processor, and
 // commits a record's offset only after its database transaction committed.
 package kafka
 
@@ -16,7 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/crash"
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 // ConsumerConfig configures a Consumer.
@@ -25,10 +25,10 @@ type ConsumerConfig struct {
 	Brokers []string
 	// Group is the consumer group.
 	Group string
-	// Consumers are the generated handlers (e.g. the package's
+	// Handlers are the generated handlers (e.g. the package's
 	// IdemConsumers(...)); their topics are consumed. Several consumers may
 	// share a topic; each applies each record in its own context.
-	Consumers []idem.Consumer
+	Handlers []idem.EventHandler
 	// BatchSize > 1 enables batch mode: up to BatchSize records of one
 	// partition are applied in one transaction with one multi-row dedupe
 	// insert. Default 1: one transaction per record.
@@ -61,24 +61,24 @@ type ConsumerConfig struct {
 type Consumer struct {
 	client  *kgo.Client
 	proc    *idem.Processor
-	byTopic map[string][]*idem.Consumer
+	byTopic map[string][]*idem.EventHandler
 	batch   int
 	maxPoll int
 	logger  *slog.Logger
 
 	// OnRecord, if set before Run, is called after each record is done, with
 	// its outcome per consumer. Tests and metrics use it.
-	OnRecord func(c *idem.Consumer, rec *idem.Record, o idem.Outcome)
+	OnRecord func(c *idem.EventHandler, rec *idem.Record, o idem.Outcome)
 }
 
 // NewConsumer returns a Consumer on pool. Call Run to consume.
 func NewConsumer(pool *pgxpool.Pool, cfg ConsumerConfig) (*Consumer, error) {
-	if cfg.Group == "" || len(cfg.Brokers) == 0 || len(cfg.Consumers) == 0 {
-		return nil, errors.New("kafka consumer: Brokers, Group and Consumers are required")
+	if cfg.Group == "" || len(cfg.Brokers) == 0 || len(cfg.Handlers) == 0 {
+		return nil, errors.New("kafka consumer: Brokers, Group and Handlers are required")
 	}
 	c := &Consumer{
 		proc:    &idem.Processor{Pool: pool, Retry: cfg.Retry, Logger: cfg.Logger},
-		byTopic: map[string][]*idem.Consumer{},
+		byTopic: map[string][]*idem.EventHandler{},
 		batch:   max(cfg.BatchSize, 1),
 		maxPoll: cfg.MaxPollRecords,
 		logger:  cfg.Logger,
@@ -90,8 +90,8 @@ func NewConsumer(pool *pgxpool.Pool, cfg ConsumerConfig) (*Consumer, error) {
 		c.logger = slog.Default()
 	}
 	var topics []string
-	for i := range cfg.Consumers {
-		cons := &cfg.Consumers[i]
+	for i := range cfg.Handlers {
+		cons := &cfg.Handlers[i]
 		if _, seen := c.byTopic[cons.Topic]; !seen {
 			topics = append(topics, cons.Topic)
 		}

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -32,7 +32,7 @@ func TestDuplicateDeliveriesApplyOnce(t *testing.T) {
 			produce(t, p, orderRecord("orders", order{EventID: "evt-2", Amount: 7}))
 
 			var out outcomes
-			cfg := kafka.ConsumerConfig{Brokers: addrs, BatchSize: batch, Consumers: []idem.Consumer{orderConsumer("orders", applyOrder)}}
+			cfg := kafka.ConsumerConfig{Brokers: addrs, BatchSize: batch, Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)}}
 			r := startConsumer(t, pool, cfg, &out)
 			waitUntil(t, "6 records", func() bool { return out.total() == 6 })
 			r.shutdown(t)
@@ -71,7 +71,7 @@ func TestOffsetsCommittedAfterProcessing(t *testing.T) {
 		produce(t, p, orderRecord("orders", order{EventID: newID("o"), Amount: 1}))
 	}
 	var out outcomes
-	cfg := kafka.ConsumerConfig{Brokers: addrs, Consumers: []idem.Consumer{orderConsumer("orders", applyOrder)}}
+	cfg := kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)}}
 	r := startConsumer(t, pool, cfg, &out)
 	waitUntil(t, "20 records", func() bool { return out.total() == 20 })
 	r.shutdown(t)
@@ -114,7 +114,7 @@ func TestPoisonRecordsDeadLettered(t *testing.T) {
 			}
 			var out outcomes
 			r := startConsumer(t, pool, kafka.ConsumerConfig{
-				Brokers: addrs, BatchSize: batch, Consumers: []idem.Consumer{orderConsumer("orders", handler)},
+				Brokers: addrs, BatchSize: batch, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
 				Retry: idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 5 * time.Millisecond},
 			}, &out)
 			waitUntil(t, "5 records", func() bool { return out.total() == 5 })
@@ -142,7 +142,7 @@ func TestPoisonRecordsDeadLettered(t *testing.T) {
 			// duplicate the dead letters.
 			var again outcomes
 			r = startConsumer(t, pool, kafka.ConsumerConfig{
-				Brokers: addrs, Group: "again", BatchSize: batch, Consumers: []idem.Consumer{orderConsumer("orders", handler)},
+				Brokers: addrs, Group: "again", BatchSize: batch, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
 				Retry: idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 5 * time.Millisecond},
 			}, &again)
 			waitUntil(t, "5 redelivered records", func() bool { return again.total() == 5 })
@@ -172,7 +172,7 @@ func TestTransientFailureRetried(t *testing.T) {
 	}
 	var out outcomes
 	r := startConsumer(t, pool, kafka.ConsumerConfig{
-		Brokers: addrs, Consumers: []idem.Consumer{orderConsumer("orders", handler)},
+		Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
 		Retry: idem.RetryPolicy{MaxAttempts: 5, Initial: time.Millisecond, Max: 5 * time.Millisecond},
 	}, &out)
 	waitUntil(t, "the record", func() bool { return out.total() == 1 })
@@ -203,7 +203,7 @@ func TestShutdownMidHandlerRollsBack(t *testing.T) {
 		return nil // swallows the cancellation: must still not commit
 	}
 	var out outcomes
-	cfg := kafka.ConsumerConfig{Brokers: addrs, Consumers: []idem.Consumer{orderConsumer("orders", handler)}}
+	cfg := kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", handler)}}
 	r := startConsumer(t, pool, cfg, &out)
 	<-entered
 	r.shutdown(t)
@@ -211,7 +211,7 @@ func TestShutdownMidHandlerRollsBack(t *testing.T) {
 		count(t, pool, `SELECT count(*) FROM idem_processed_events`) != 0 || count(t, pool, `SELECT count(*) FROM idem_dead_letters`) != 0 {
 		t.Fatalf("after shutdown: outcomes %v; something was committed", out.n)
 	}
-	cfg.Consumers = []idem.Consumer{orderConsumer("orders", applyOrder)}
+	cfg.Handlers = []idem.EventHandler{orderConsumer("orders", applyOrder)}
 	var again outcomes
 	r = startConsumer(t, pool, cfg, &again)
 	waitUntil(t, "the redelivered record", func() bool { return again.total() == 1 })
@@ -243,7 +243,7 @@ func TestRebalanceAppliesEachEventOnce(t *testing.T) {
 		time.Sleep(time.Millisecond) // keep records in flight across the rebalance
 		return applyOrder(ctx, tx, ev)
 	}
-	cfg := kafka.ConsumerConfig{Brokers: addrs, Consumers: []idem.Consumer{orderConsumer("orders", slow)}, MaxPollRecords: 50}
+	cfg := kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", slow)}, MaxPollRecords: 50}
 	var a, b outcomes
 	ra := startConsumer(t, pool, cfg, &a)
 	waitUntil(t, "member A to start", func() bool { return a.total() > 50 })

@@ -15,7 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -54,8 +54,8 @@ func applyOrder(ctx context.Context, tx pgx.Tx, ev order) error {
 	return err
 }
 
-func orderConsumer(topic string, fn func(context.Context, pgx.Tx, order) error) idem.Consumer {
-	return idem.Consume(idem.ConsumerSpec[order]{
+func orderConsumer(topic string, fn func(context.Context, pgx.Tx, order) error) idem.EventHandler {
+	return idem.Consume(idem.EventSpec[order]{
 		Topic: topic, Context: "billing",
 		EventID: func(o order) string { return o.EventID },
 	}, fn)
@@ -89,7 +89,7 @@ type outcomes struct {
 	n  map[idem.Outcome]int
 }
 
-func (o *outcomes) record(_ *idem.Consumer, _ *idem.Record, out idem.Outcome) {
+func (o *outcomes) record(_ *idem.EventHandler, _ *idem.Record, out idem.Outcome) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.n == nil {

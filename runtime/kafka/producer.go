@@ -10,11 +10,11 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 // Publisher publishes outbox messages with a franz-go client; it implements
-// runtime.Publisher for runtime.Relay.
+// idem.Publisher for idem.Relay.
 //
 // The client should keep franz-go's defaults for ordering: the idempotent
 // producer (on by default, with acks=all), so that records of one partition

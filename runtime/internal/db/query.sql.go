@@ -446,7 +446,7 @@ const migrateLock = `-- name: MigrateLock :exec
 SELECT pg_advisory_xact_lock(7164539873465300001)
 `
 
-// Serializes concurrent runtime.Migrate calls (several pods starting at once):
+// Serializes concurrent idem.Migrate calls (several pods starting at once):
 // CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
 func (q *Queries) MigrateLock(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, migrateLock)

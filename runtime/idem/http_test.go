@@ -1,4 +1,4 @@
-package runtime_test
+package idem_test
 
 import (
 	"bytes"
@@ -18,7 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 type chargeReq struct {

@@ -1,4 +1,4 @@
-package runtime
+package idem
 
 import (
 	"context"
@@ -47,8 +47,8 @@ func (r *Record) Header(key string) ([]byte, bool) {
 	return nil, false
 }
 
-// ConsumerSpec describes one //idem:consume handler of events of type T.
-type ConsumerSpec[T any] struct {
+// EventSpec describes one //idem:consume handler of events of type T.
+type EventSpec[T any] struct {
 	// Topic is consumed; Context names the consumer in idem_processed_events:
 	// each context applies each event once.
 	Topic   string
@@ -62,7 +62,7 @@ type ConsumerSpec[T any] struct {
 
 // Consumer is a type-erased //idem:consume handler; generated code builds it
 // with Consume.
-type Consumer struct {
+type EventHandler struct {
 	Topic   string
 	Context string
 	decode  func(*Record) (event any, id string, err error)
@@ -71,7 +71,7 @@ type Consumer struct {
 
 // Consume returns the Consumer that decodes records into T and applies them
 // with fn, once per (spec.Context, event id).
-func Consume[T any](spec ConsumerSpec[T], fn func(context.Context, pgx.Tx, T) error) Consumer {
+func Consume[T any](spec EventSpec[T], fn func(context.Context, pgx.Tx, T) error) EventHandler {
 	decode := spec.Decode
 	if decode == nil {
 		decode = func(b []byte) (T, error) {
@@ -80,7 +80,7 @@ func Consume[T any](spec ConsumerSpec[T], fn func(context.Context, pgx.Tx, T) er
 			return v, err
 		}
 	}
-	return Consumer{
+	return EventHandler{
 		Topic:   spec.Topic,
 		Context: spec.Context,
 		decode: func(rec *Record) (any, string, error) {
@@ -184,7 +184,7 @@ func (p *Processor) logger() *slog.Logger {
 // a duplicate, or dead-lettered — and its offset may be committed. It returns
 // the context's error, and commits nothing, when ctx is cancelled: shutdown is
 // not a handler failure, and the record will be delivered again.
-func (p *Processor) Process(ctx context.Context, c *Consumer, rec *Record) (Outcome, error) {
+func (p *Processor) Process(ctx context.Context, c *EventHandler, rec *Record) (Outcome, error) {
 	ev, id, err := c.decode(rec)
 	if err != nil {
 		return p.deadLetter(ctx, c, rec, 1, err)
@@ -211,7 +211,7 @@ func (p *Processor) Process(ctx context.Context, c *Consumer, rec *Record) (Outc
 
 // applyOnce is one attempt: BEGIN; insert the processed-event row (a
 // conflict means a duplicate: stop); run the handler; COMMIT.
-func (p *Processor) applyOnce(ctx context.Context, c *Consumer, rec *Record, ev any, id string) (Outcome, error) {
+func (p *Processor) applyOnce(ctx context.Context, c *EventHandler, rec *Record, ev any, id string) (Outcome, error) {
 	tx, err := p.Pool.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("begin: %w", err)
@@ -245,7 +245,7 @@ func (p *Processor) applyOnce(ctx context.Context, c *Consumer, rec *Record, ev 
 // failure policy (retry, dead letter) is the same as in per-record mode. Like
 // Process, it returns nil once every record is done, and the context's error
 // if cancelled.
-func (p *Processor) ProcessBatch(ctx context.Context, c *Consumer, recs []*Record) ([]Outcome, error) {
+func (p *Processor) ProcessBatch(ctx context.Context, c *EventHandler, recs []*Record) ([]Outcome, error) {
 	if len(recs) == 1 {
 		o, err := p.Process(ctx, c, recs[0])
 		return []Outcome{o}, err
@@ -270,7 +270,7 @@ func (p *Processor) ProcessBatch(ctx context.Context, c *Consumer, recs []*Recor
 
 var errBatchNeedsFallback = errors.New("batch has an undecodable record")
 
-func (p *Processor) applyBatch(ctx context.Context, c *Consumer, recs []*Record) ([]Outcome, error) {
+func (p *Processor) applyBatch(ctx context.Context, c *EventHandler, recs []*Record) ([]Outcome, error) {
 	events := make([]any, len(recs))
 	ids := make([]string, len(recs))
 	offsets := make([]int64, len(recs))
@@ -323,14 +323,14 @@ func (p *Processor) applyBatch(ctx context.Context, c *Consumer, recs []*Record)
 // eventContext makes the event's identity available to the handler through
 // KeyFromContext, as Key{Scope: context, Key: event id}, so that downstream
 // calls derive their idempotency keys from it.
-func eventContext(ctx context.Context, c *Consumer, id string) context.Context {
+func eventContext(ctx context.Context, c *EventHandler, id string) context.Context {
 	return context.WithValue(ctx, keyCtx{}, Key{Scope: c.Context, Key: id})
 }
 
 // deadLetter stores rec in idem_dead_letters. The write is retried until it
 // succeeds or ctx is cancelled: a record is never dropped, and the offset
 // moves on only after the dead letter committed.
-func (p *Processor) deadLetter(ctx context.Context, c *Consumer, rec *Record, attempts int, cause error) (Outcome, error) {
+func (p *Processor) deadLetter(ctx context.Context, c *EventHandler, rec *Record, attempts int, cause error) (Outcome, error) {
 	headers := map[string]string{}
 	for _, h := range rec.Headers {
 		headers[h.Key] = string(h.Value)

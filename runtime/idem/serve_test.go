@@ -1,4 +1,4 @@
-package runtime_test
+package idem_test
 
 import (
 	"context"
@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	idem "github.com/idemgen/idemgen/runtime"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 // ServeHTTP on shutdown: readiness turns 503 at once, a request that
