@@ -56,6 +56,10 @@ CREATE TABLE IF NOT EXISTS idem_dead_letters (
     UNIQUE (context, topic, kpartition, koffset)
 );
 
+-- Retention (idem.Janitor) deletes the oldest dead letters first, through
+-- this index rather than a scan of the table.
+CREATE INDEX IF NOT EXISTS idem_dead_letters_created_at ON idem_dead_letters (created_at);
+
 -- idem_outbox holds events written in business transactions until the relay
 -- has published them: PENDING -> PUBLISHING (claimed by one relay, under a
 -- claim token and a lease) -> PUBLISHED, or PARKED after too many failures.
@@ -79,6 +83,9 @@ CREATE TABLE IF NOT EXISTS idem_outbox (
 CREATE INDEX IF NOT EXISTS idem_outbox_pending ON idem_outbox (id) WHERE status = 'PENDING';
 CREATE INDEX IF NOT EXISTS idem_outbox_publishing ON idem_outbox (locked_until) WHERE status = 'PUBLISHING';
 CREATE INDEX IF NOT EXISTS idem_outbox_published ON idem_outbox (published_at) WHERE status = 'PUBLISHED';
+-- Parked rows are few and wanted by operators (idemctl outbox parked/status):
+-- a partial index lists and counts them without reading the table.
+CREATE INDEX IF NOT EXISTS idem_outbox_parked ON idem_outbox (id) WHERE status = 'PARKED';
 
 -- Wake the relay when an enqueueing transaction commits: NOTIFY is delivered
 -- at commit, and never for a transaction that rolls back.
