@@ -1,0 +1,430 @@
+// Package admin is the operator's API over idemgen's tables: outbox status
+// and repair, dead letters, idempotency keys. cmd/idemctl is a thin command
+// line over it; services may also mount it behind their own admin endpoints.
+//
+// Every mutating method is idempotent (running it twice changes nothing the
+// second time) and never waits on a row a live request holds: it refuses
+// with ErrInFlight instead.
+package admin
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/runtime/internal/db"
+)
+
+// ErrNotFound: no such row (key, dead letter).
+var ErrNotFound = errors.New("not found")
+
+// ErrInFlight: a live transaction holds the row (a request is using the key
+// right now); the operation was refused rather than wait or interfere.
+var ErrInFlight = errors.New("in flight: a live transaction holds it")
+
+// Admin runs operator commands against one database (and schema: the
+// connection's search_path). It is safe for concurrent use.
+type Admin struct {
+	pool *pgxpool.Pool
+	q    *db.Queries
+}
+
+// New returns an Admin on pool.
+func New(pool *pgxpool.Pool) *Admin { return &Admin{pool: pool, q: db.New(pool)} }
+
+// OutboxStatus is the outbox at a glance.
+type OutboxStatus struct {
+	// Rows per state.
+	Pending, Publishing, Published, Parked int64
+	// OldestPending is when the oldest PENDING row was enqueued (zero if
+	// none); OldestPendingAge is its age on the database's clock: the relay's
+	// lag.
+	OldestPending    time.Time
+	OldestPendingAge time.Duration
+	// Leader is the session holding the relay's leadership lock, or nil if no
+	// relay is active.
+	Leader *RelayLeader
+}
+
+// RelayLeader identifies the database session of the active relay. The
+// relay elects itself with a session-level advisory lock (there is no lease
+// row), so this is the lock holder as pg_locks reports it.
+type RelayLeader struct {
+	PID             int32
+	ClientAddr      string
+	ApplicationName string
+	// Since is when the leader's session started (it has led at most that long).
+	Since time.Time
+}
+
+// OutboxStatus returns per-state counts, read from the outbox's partial
+// indexes rather than a scan of the table, the oldest pending row's age,
+// and the active relay.
+func (a *Admin) OutboxStatus(ctx context.Context) (OutboxStatus, error) {
+	row, err := a.q.OutboxStatus(ctx)
+	if err != nil {
+		return OutboxStatus{}, fmt.Errorf("outbox status: %w", err)
+	}
+	st := OutboxStatus{Pending: row.Pending, Publishing: row.Publishing, Published: row.Published, Parked: row.Parked}
+	if row.OldestPending.Valid {
+		st.OldestPending = row.OldestPending.Time
+		st.OldestPendingAge = row.Now.Time.Sub(row.OldestPending.Time)
+	}
+	leaders, err := a.q.RelayLeader(ctx)
+	if err != nil {
+		return st, fmt.Errorf("outbox status: relay leader: %w", err)
+	}
+	if len(leaders) > 0 {
+		l := leaders[0]
+		st.Leader = &RelayLeader{PID: l.Pid.Int32, ClientAddr: l.ClientAddr, ApplicationName: l.ApplicationName.String, Since: l.BackendStart.Time}
+	}
+	return st, nil
+}
+
+// OutboxFilter selects outbox rows; zero fields match everything.
+type OutboxFilter struct {
+	ID    int64
+	Topic string
+}
+
+func (f OutboxFilter) params() (pgtype.Int8, pgtype.Text) {
+	return pgtype.Int8{Int64: f.ID, Valid: f.ID != 0}, pgtype.Text{String: f.Topic, Valid: f.Topic != ""}
+}
+
+// ParkedEvent is an outbox row the relay gave up on.
+type ParkedEvent struct {
+	ID        int64
+	EventID   string
+	Topic     string
+	Key       []byte
+	Attempts  int32
+	CreatedAt time.Time
+	LastError string
+}
+
+// ParkedEvents lists up to limit PARKED rows matching f, oldest first.
+func (a *Admin) ParkedEvents(ctx context.Context, f OutboxFilter, limit int) ([]ParkedEvent, error) {
+	id, topic := f.params()
+	rows, err := a.q.ListParkedOutbox(ctx, db.ListParkedOutboxParams{ID: id, Topic: topic, MaxRows: int32(limit)})
+	if err != nil {
+		return nil, fmt.Errorf("list parked outbox rows: %w", err)
+	}
+	out := make([]ParkedEvent, len(rows))
+	for i, r := range rows {
+		out[i] = ParkedEvent{ID: r.ID, EventID: r.EventID, Topic: r.Topic, Key: r.RecordKey, Attempts: r.Attempts, CreatedAt: r.CreatedAt.Time, LastError: r.LastError}
+	}
+	return out, nil
+}
+
+// RequeueParked returns the PARKED rows matching f to PENDING with a fresh
+// attempt budget and wakes the relay; it returns how many. Their event ids
+// are unchanged, so a consumer that did receive an earlier attempt skips it.
+func (a *Admin) RequeueParked(ctx context.Context, f OutboxFilter) (int64, error) {
+	id, topic := f.params()
+	var n int64
+	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+		q := db.New(tx)
+		var err error
+		if n, err = q.RequeueParkedOutbox(ctx, db.RequeueParkedOutboxParams{ID: id, Topic: topic}); err != nil {
+			return err
+		}
+		if n > 0 {
+			return q.NotifyOutbox(ctx) // delivered at commit
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("requeue parked outbox rows: %w", err)
+	}
+	return n, nil
+}
+
+// Outbox states PurgeOutbox accepts.
+const (
+	StatusPublished = "PUBLISHED"
+	StatusParked    = "PARKED"
+)
+
+// CountOutboxBefore counts the rows PurgeOutbox(status, before) would delete:
+// PUBLISHED rows published before before, or PARKED rows enqueued before it.
+func (a *Admin) CountOutboxBefore(ctx context.Context, status string, before time.Time) (int64, error) {
+	if status != StatusPublished && status != StatusParked {
+		return 0, fmt.Errorf("count outbox rows: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
+	}
+	n, err := a.q.CountOutboxBefore(ctx, db.CountOutboxBeforeParams{Status: status, Before: ts(before)})
+	if err != nil {
+		return 0, fmt.Errorf("count %s outbox rows: %w", status, err)
+	}
+	return n, nil
+}
+
+// PurgeOutbox deletes PUBLISHED rows published before before, or PARKED rows
+// enqueued before it, in batches of batchSize each committed on its own,
+// and returns how many it deleted. Cancellation stops it between batches.
+func (a *Admin) PurgeOutbox(ctx context.Context, status string, before time.Time, batchSize int) (int64, error) {
+	if batchSize <= 0 {
+		return 0, errors.New("purge outbox: batch size must be positive")
+	}
+	var batch func() (int64, error)
+	switch status {
+	case StatusPublished:
+		batch = func() (int64, error) {
+			return a.q.DeletePublishedOutbox(ctx, db.DeletePublishedOutboxParams{Before: ts(before), BatchSize: int32(batchSize)})
+		}
+	case StatusParked:
+		batch = func() (int64, error) {
+			return a.q.DeleteParkedOutbox(ctx, db.DeleteParkedOutboxParams{Before: ts(before), BatchSize: int32(batchSize)})
+		}
+	default:
+		return 0, fmt.Errorf("purge outbox: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
+	}
+	var total int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		n, err := batch()
+		total += n
+		if err != nil {
+			return total, fmt.Errorf("purge %s outbox rows: %w", status, err)
+		}
+		if n < int64(batchSize) {
+			return total, nil
+		}
+	}
+}
+
+// DeadLetter is a record a consumer could not apply, kept raw.
+type DeadLetter struct {
+	ID        int64
+	Context   string // the consumer context that failed it
+	Topic     string
+	Partition int32
+	Offset    int64
+	Key       []byte
+	Value     []byte
+	ValueLen  int64
+	Headers   []Header
+	Attempts  int32
+	LastError string
+	CreatedAt time.Time
+}
+
+// Header is one record header, raw.
+type Header struct {
+	Key   string
+	Value []byte
+}
+
+// DeadLetterFilter selects dead letters; zero fields match everything.
+type DeadLetterFilter struct {
+	Context string
+	Topic   string
+}
+
+// DeadLetters lists up to limit dead letters matching f, oldest first,
+// without their key, value and headers (see DeadLetter for those).
+func (a *Admin) DeadLetters(ctx context.Context, f DeadLetterFilter, limit int) ([]DeadLetter, error) {
+	rows, err := a.q.ListDeadLetters(ctx, db.ListDeadLettersParams{
+		Context: pgtype.Text{String: f.Context, Valid: f.Context != ""},
+		Topic:   pgtype.Text{String: f.Topic, Valid: f.Topic != ""},
+		MaxRows: int32(limit),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list dead letters: %w", err)
+	}
+	out := make([]DeadLetter, len(rows))
+	for i, r := range rows {
+		out[i] = DeadLetter{ID: r.ID, Context: r.Context, Topic: r.Topic, Partition: r.Kpartition, Offset: r.Koffset,
+			ValueLen: r.ValueLen, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt.Time}
+	}
+	return out, nil
+}
+
+// DeadLetter returns dead letter id in full, or ErrNotFound.
+func (a *Admin) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
+	return getDeadLetter(ctx, a.q, id)
+}
+
+func getDeadLetter(ctx context.Context, q *db.Queries, id int64) (DeadLetter, error) {
+	r, err := q.GetDeadLetter(ctx, id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, err)
+	}
+	headers, err := decodeHeaders(r.Headers)
+	if err != nil {
+		return DeadLetter{}, fmt.Errorf("dead letter %d: headers: %w", id, err)
+	}
+	return DeadLetter{ID: r.ID, Context: r.Context, Topic: r.Topic, Partition: r.Kpartition, Offset: r.Koffset,
+		Key: r.RecordKey, Value: r.Value, ValueLen: int64(len(r.Value)), Headers: headers, Attempts: r.Attempts,
+		LastError: r.LastError, CreatedAt: r.CreatedAt.Time}, nil
+}
+
+// decodeHeaders reads the headers column: today a JSON object of header name
+// to value, so repeated names keep only one value and values are text.
+func decodeHeaders(b []byte) ([]Header, error) {
+	m := map[string]string{}
+	if len(b) > 0 {
+		if err := json.Unmarshal(b, &m); err != nil {
+			return nil, err
+		}
+	}
+	out := make([]Header, 0, len(m))
+	for k, v := range m {
+		out = append(out, Header{Key: k, Value: []byte(v)})
+	}
+	slices.SortFunc(out, func(a, b Header) int { return strings.Compare(a.Key, b.Key) })
+	return out, nil
+}
+
+// DiscardDeadLetter deletes dead letter id. It reports whether there was
+// one: discarding twice is not an error.
+func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
+	n, err := a.q.DeleteDeadLetter(ctx, id)
+	if err != nil {
+		return false, fmt.Errorf("discard dead letter %d: %w", id, err)
+	}
+	return n > 0, nil
+}
+
+// Producer produces a dead letter's record (topic, key, value, headers) to
+// the broker and returns only once the broker acknowledged it.
+type Producer func(ctx context.Context, d DeadLetter) error
+
+// ReplayDeadLetter re-produces dead letter id to its topic with produce and
+// deletes it once the broker acknowledged. The record keeps its key (so its
+// partition, with the default partitioner) and its headers, among them
+// idem-event-id, so it goes through the consumers' ordinary exactly-once path:
+// the failed context applies it, and contexts that had applied it skip it
+// as a duplicate.
+//
+// The row is locked while producing, so two operators replaying it at once
+// produce it once. If the process dies between the ack and the delete, the
+// dead letter stays and a second replay produces it again; consumers
+// deduplicate that by event id. It returns false if there was no such dead
+// letter (already replayed or discarded).
+func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer) (bool, error) {
+	tx, err := a.pool.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("replay dead letter %d: begin: %w", id, err)
+	}
+	defer rollback(ctx, tx)
+	q := db.New(tx)
+	if _, err := q.LockDeadLetter(ctx, id); errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	} else if err != nil {
+		return false, fmt.Errorf("replay dead letter %d: lock: %w", id, err)
+	}
+	d, err := getDeadLetter(ctx, q, id)
+	if err != nil {
+		return false, fmt.Errorf("replay: %w", err)
+	}
+	if err := produce(ctx, d); err != nil {
+		return false, fmt.Errorf("replay dead letter %d: produce to %s: %w", id, d.Topic, err)
+	}
+	if _, err := q.DeleteDeadLetter(ctx, id); err != nil {
+		return false, fmt.Errorf("replay dead letter %d: produced, but deleting it failed (a second replay is deduplicated by event id): %w", id, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return false, fmt.Errorf("replay dead letter %d: produced, but deleting it failed (a second replay is deduplicated by event id): %w", id, err)
+	}
+	return true, nil
+}
+
+// KeyRef names an idempotency key: keys are scoped per endpoint (Scope) and
+// per caller (Principal), and an operator must name both.
+type KeyRef struct {
+	Scope, Principal, Key string
+}
+
+func (k KeyRef) String() string {
+	return fmt.Sprintf("scope=%q principal=%q key=%q", k.Scope, k.Principal, k.Key)
+}
+
+// KeyInfo is a stored idempotency key.
+type KeyInfo struct {
+	KeyRef
+	Fingerprint []byte
+	StatusCode  int32
+	Headers     []byte // JSON
+	Body        []byte
+	CreatedAt   time.Time
+	ExpiresAt   time.Time
+	// Expired: the key is no longer replayed; the next request with it runs
+	// anew.
+	Expired bool
+}
+
+// Key returns the key named ref. It returns ErrNotFound if there is no
+// stored key (a first request still in flight stores nothing visible until
+// it commits) and ErrInFlight if a request is taking over the expired key
+// right now.
+func (a *Admin) Key(ctx context.Context, ref KeyRef) (KeyInfo, error) {
+	var info KeyInfo
+	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+		r, err := db.New(tx).AdminGetKey(ctx, db.AdminGetKeyParams{Scope: ref.Scope, Principal: ref.Principal, Key: ref.Key})
+		if err != nil {
+			return err
+		}
+		info = KeyInfo{KeyRef: ref, Fingerprint: r.Fingerprint, StatusCode: r.StatusCode, Headers: r.Headers, Body: r.Body,
+			CreatedAt: r.CreatedAt.Time, ExpiresAt: r.ExpiresAt.Time, Expired: r.Expired}
+		return nil
+	})
+	if err != nil {
+		return KeyInfo{}, fmt.Errorf("key %s: %w", ref, keyErr(err))
+	}
+	return info, nil
+}
+
+// ReleaseKey deletes the stored key named ref, so the next request with it
+// runs anew. A key a live transaction holds (a request in flight on it) is
+// refused with ErrInFlight: the row is locked with NOWAIT, never waited on.
+// A missing key is ErrNotFound, so releasing twice is harmless.
+func (a *Admin) ReleaseKey(ctx context.Context, ref KeyRef) error {
+	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+		q := db.New(tx)
+		p := db.LockKeyNowaitParams{Scope: ref.Scope, Principal: ref.Principal, Key: ref.Key}
+		if _, err := q.LockKeyNowait(ctx, p); err != nil {
+			return err
+		}
+		_, err := q.DeleteKey(ctx, db.DeleteKeyParams(p))
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("release key %s: %w", ref, keyErr(err))
+	}
+	return nil
+}
+
+// keyErr maps "no row" and "row locked" to ErrNotFound and ErrInFlight.
+func keyErr(err error) error {
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return ErrNotFound
+	case errors.As(err, &pgErr) && pgErr.Code == "55P03": // lock_not_available
+		return ErrInFlight
+	}
+	return err
+}
+
+func ts(t time.Time) pgtype.Timestamptz { return pgtype.Timestamptz{Time: t, Valid: true} }
+
+// rollback ends tx if it did not commit, even when ctx is cancelled.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}
