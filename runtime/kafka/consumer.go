@@ -110,6 +110,12 @@ func NewConsumer(pool *pgxpool.Pool, cfg ConsumerConfig) (*Consumer, error) {
 		kgo.AutoCommitInterval(interval),
 		kgo.BlockRebalanceOnPoll(),
 		kgo.OnPartitionsRevoked(c.onRevoked),
+		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, p map[string][]int32) {
+			c.logger.Info("partitions assigned", "group", cfg.Group, "partitions", p)
+		}),
+		kgo.OnPartitionsLost(func(_ context.Context, _ *kgo.Client, p map[string][]int32) {
+			c.logger.Warn("partitions lost (the group moved on without us); uncommitted records are re-read by their new owner", "group", cfg.Group, "partitions", p)
+		}),
 	)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
@@ -122,7 +128,8 @@ func NewConsumer(pool *pgxpool.Pool, cfg ConsumerConfig) (*Consumer, error) {
 // onRevoked commits what is marked before the partitions go to another
 // member. It runs between polls (BlockRebalanceOnPoll), so every marked
 // offset belongs to a committed transaction.
-func (c *Consumer) onRevoked(ctx context.Context, cl *kgo.Client, _ map[string][]int32) {
+func (c *Consumer) onRevoked(ctx context.Context, cl *kgo.Client, p map[string][]int32) {
+	c.logger.Info("partitions revoked", "partitions", p)
 	if err := cl.CommitMarkedOffsets(ctx); err != nil {
 		c.logger.Warn("commit on revoke failed; the new owner re-reads from the last commit and skips duplicates", "err", err)
 	}
