@@ -43,7 +43,7 @@ func newKafkaEnv(t *testing.T) *kafkaEnv {
 	t.Cleanup(pool.Close)
 	brokers := cluster.ListenAddrs()
 	return &kafkaEnv{brokers: brokers, pool: pool, env: []string{
-		"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "KAFKA_SESSION_TIMEOUT=1s",
+		"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "KAFKA_SESSION_TIMEOUT=1s", "LOG_LEVEL=debug",
 	}}
 }
 

@@ -2,7 +2,8 @@
 // charges an order through an //idem:http handler.
 //
 //	go run ./examples/payments            run the demo: start the service, play a client that retries, check the database
-//	go run ./examples/payments serve      serve on $ADDR (default 127.0.0.1:8080) until SIGTERM
+//	go run ./examples/payments serve      HTTP on $ADDR, consumers, relay and janitor in one process, until SIGTERM
+//	go run ./examples/payments --help     every command and environment variable
 //
 // On SIGTERM, serve drains requests for $DRAIN_TIMEOUT (default 10s), then
 // cancels the rest: their transactions roll back and a retry is safe.
@@ -52,8 +53,10 @@ func main() {
 		err = consume(ctx)
 	case "relay":
 		err = relay(ctx)
+	case "help", "-h", "-help", "--help":
+		fmt.Print(usage)
 	default:
-		err = fmt.Errorf("unknown command %q (want demo, serve, consume or relay)", cmd)
+		err = fmt.Errorf("unknown command %q (want demo, serve, consume or relay; see payments --help)", cmd)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
@@ -95,19 +98,15 @@ func newMux(pool *pgxpool.Pool) *http.ServeMux {
 	return mux
 }
 
-func serve(ctx context.Context) error {
-	pool, err := open(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
+// serveHTTP serves the HTTP API on $ADDR until ctx is cancelled, then drains.
+func serveHTTP(ctx context.Context, pool *pgxpool.Pool) error {
 	addr := os.Getenv("ADDR")
 	if addr == "" {
 		addr = "127.0.0.1:8080"
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return err
+		return fmt.Errorf("listen on ADDR %s: %w", addr, err)
 	}
 	// The address actually bound (ADDR may say port 0), for scripts and tests.
 	slog.Info("payments listening", "addr", ln.Addr().String())
@@ -143,7 +142,7 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 	cfg := kafka.ConsumerConfig{
 		Brokers:    brokers,
 		Group:      "payments",
-		Handlers:  IdemConsumers(&Billing{}, &Notifications{}),
+		Handlers:   IdemConsumers(&Billing{}, &Notifications{}),
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
 	}
 	// Tests shorten the session timeout so a killed member's partitions move
@@ -174,30 +173,29 @@ func withKafka(ctx context.Context, fn func(pool *pgxpool.Pool, brokers []string
 
 func consume(ctx context.Context) error {
 	return withKafka(ctx, func(pool *pgxpool.Pool, brokers []string) error {
-		cfg, err := consumerConfig(brokers)
+		chk, err := topicCheck()
 		if err != nil {
 			return err
 		}
-		c, err := kafka.NewConsumer(pool, cfg)
+		c, err := newConsumer(ctx, pool, brokers, chk)
 		if err != nil {
 			return err
 		}
-		c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
-		}
-		slog.Info("payments consuming", "brokers", brokers)
 		return c.Run(ctx)
 	})
 }
 
 func relay(ctx context.Context) error {
 	return withKafka(ctx, func(pool *pgxpool.Pool, brokers []string) error {
-		pub, err := kafka.NewPublisher(brokers)
+		chk, err := topicCheck()
 		if err != nil {
 			return err
 		}
-		defer pub.Close()
-		r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+		r, closeRelay, err := newRelay(ctx, pool, brokers, chk)
+		if err != nil {
+			return err
+		}
+		defer closeRelay()
 		return r.Run(ctx)
 	})
 }
