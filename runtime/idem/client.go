@@ -183,6 +183,9 @@ func (t *transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		last := attempt >= t.cfg.Retry.MaxAttempts || !replayable
 		var wait time.Duration
 		if err != nil {
+			if !replayable {
+				return nil, fmt.Errorf("idem: %s %s (not retried: the body cannot be replayed, set GetBody): %w", req.Method, req.URL.Redacted(), err)
+			}
 			if last {
 				return nil, fmt.Errorf("idem: %s %s: attempt %d of %d: %w", req.Method, req.URL.Redacted(), attempt, t.cfg.Retry.MaxAttempts, err)
 			}
