@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -75,6 +76,10 @@ func chargeOrder(ctx context.Context, tx pgx.Tx, orderID string, amount int64, c
 	if _, err := currentProvider().charge(ctx, provider.ChargeRequest{OrderID: orderID, Amount: amount, Currency: currency}); err != nil {
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return db.Charge{}, ctxErr
+		}
+		if perr := (*providerError)(nil); errors.As(err, &perr) && perr.refused() {
+			return db.Charge{}, &idem.Error{Status: http.StatusUnprocessableEntity,
+				Detail: "the payment provider refused the charge: " + perr.body, Err: err}
 		}
 		// Nothing is stored and the key stays free: the client's retry
 		// reaches the provider with the same key.

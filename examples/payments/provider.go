@@ -130,7 +130,7 @@ func (c *providerClient) charge(ctx context.Context, req provider.ChargeRequest)
 		return provider.Charge{}, fmt.Errorf("read the payment provider's answer: %w", err)
 	}
 	if resp.StatusCode != http.StatusCreated && resp.StatusCode != http.StatusOK {
-		return provider.Charge{}, fmt.Errorf("payment provider answered %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return provider.Charge{}, &providerError{status: resp.StatusCode, body: string(bytes.TrimSpace(b))}
 	}
 	var ch provider.Charge
 	if err := json.Unmarshal(b, &ch); err != nil {
@@ -203,4 +203,21 @@ func (c *demoClient) checkDoubleProtection(ctx context.Context, p *demoProvider,
 	}
 	c.expect(len(wrong) == 0, "every order: provider calls ≥ provider charges = our charges = 1 (wrong: %v)", wrong)
 	return nil
+}
+
+// providerError is a provider's answer other than a charge: after the
+// client's retries for 408/409/425/429/5xx, or at once for any other status.
+type providerError struct {
+	status int
+	body   string
+}
+
+func (e *providerError) Error() string {
+	return fmt.Sprintf("payment provider answered %d: %s", e.status, e.body)
+}
+
+// refused reports whether the provider refused the charge itself (a 4xx
+// its retries cannot change), as opposed to being unavailable.
+func (e *providerError) refused() bool {
+	return e.status >= 400 && e.status < 500 && !idem.DefaultRetryStatus(e.status)
 }

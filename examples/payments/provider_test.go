@@ -2,13 +2,16 @@ package main
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"regexp"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -211,4 +214,120 @@ func TestConsumerCrashAfterProviderCall(t *testing.T) {
 	c.waitLog(t, billingOutcome("applied"))
 	c.stop(t)
 	wantCounts(t, k.provider, k.pool, "o-p", 2, 1, 1)
+}
+
+// serviceFor runs the service in the test process on dbURL, charging at
+// providerURL.
+func serviceFor(t *testing.T, dbURL, providerURL string) (*httptest.Server, *pgxpool.Pool) {
+	t.Helper()
+	t.Setenv("DATABASE_URL", dbURL)
+	pool, err := open(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	useProvider(providerURL)
+	srv := httptest.NewServer(newMux(pool))
+	t.Cleanup(srv.Close)
+	return srv, pool
+}
+
+// The provider refusing a charge (bytes it cannot store) is 422, not a
+// retryable 502; the provider unreachable is 502 with nothing stored, and
+// the retry after it is back charges once.
+func TestChargeProviderRefusedOrDown(t *testing.T) {
+	url := pgtest.Schema(t)
+	p := providerFor(t, url)
+	down, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	downURL := "http://" + down.Addr().String()
+	down.Close() // nothing listens there now
+	srv, pool := serviceFor(t, url, p.url)
+	addr := strings.TrimPrefix(srv.URL, "http://")
+
+	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/payments", strings.NewReader(`{"order_id":"order\u0000nul","amount":100,"currency":"EUR"}`))
+	req.Header.Set("Idempotency-Key", "key-nul")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusUnprocessableEntity || !strings.Contains(string(b), "refused") {
+		t.Fatalf("NUL in order_id: %d %s, want 422 (the provider refused)", resp.StatusCode, b)
+	}
+
+	useProvider(downURL)
+	status, body, _, err := charge(addr, "key-down", "order-down")
+	if err != nil || status != http.StatusBadGateway {
+		t.Fatalf("provider down: %d %s %v, want 502", status, body, err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_keys`); n != 0 {
+		t.Fatalf("%d keys stored after failures, want 0", n)
+	}
+	useProvider(p.url)
+	if status, body, _, err := charge(addr, "key-down", "order-down"); err != nil || status != http.StatusCreated {
+		t.Fatalf("retry with the provider back: %d %s %v", status, body, err)
+	}
+	wantCounts(t, p, pool, "order-down", 1, 1, 1)
+}
+
+// A provider that accepts the call and never answers, and a client that
+// gives up: the operation's context is cancelled, the provider client
+// returns at once with the context's error, and the transaction rolls back
+// — the connection goes back to the pool long before the client's own
+// 10s response timeout could have freed it.
+func TestChargeCancelledWhileProviderHangs(t *testing.T) {
+	url := pgtest.Schema(t)
+	hang, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hang.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if conn, err := hang.Accept(); err == nil {
+			accepted <- conn // held open, never answered
+		}
+	}()
+	srv, pool := serviceFor(t, url, "http://"+hang.Addr().String())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/payments",
+		strings.NewReader(`{"order_id":"order-hang","amount":100,"currency":"EUR"}`))
+	req.Header.Set("Idempotency-Key", "key-hang")
+	done := make(chan error, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	var conn net.Conn
+	select {
+	case conn = <-accepted:
+		defer conn.Close()
+	case <-time.After(10 * time.Second):
+		t.Fatal("the service never called the provider")
+	}
+	if pool.Stat().AcquiredConns() == 0 {
+		t.Fatal("test setup: no transaction open while the provider hangs")
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("client: %v", err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for pool.Stat().AcquiredConns() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the operation still holds its transaction after the client went away")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_keys`) + pgtest.Count(t, pool, `SELECT count(*) FROM charges`); n != 0 {
+		t.Fatalf("%d rows stored by a cancelled operation, want 0", n)
+	}
 }

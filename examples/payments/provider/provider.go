@@ -21,8 +21,10 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -126,6 +128,13 @@ func (s *Server) charge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	key := r.Header.Get("Idempotency-Key")
+	if !storable(req.OrderID) || !storable(req.Currency) || !visibleASCII(key) {
+		// Bytes PostgreSQL refuses (NUL, invalid UTF-8) are the caller's
+		// mistake, not an outage: 400, and not counted, since they cannot be
+		// stored.
+		answer(w, http.StatusBadRequest, map[string]string{"error": "order_id and currency must be UTF-8 without NUL, the Idempotency-Key visible ASCII"})
+		return
+	}
 	q := providerdb.New(s.pool)
 	// Counted first and committed on its own: a retry, a replay, a refused
 	// or a failed call is still a call.
@@ -174,6 +183,22 @@ func (s *Server) charge(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Idempotent-Replayed", "true")
 	answer(w, http.StatusOK, ch)
+}
+
+// storable reports whether PostgreSQL accepts s as text.
+func storable(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
+}
+
+// visibleASCII reports whether s has only visible ASCII bytes, as an
+// Idempotency-Key must.
+func visibleASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
 }
 
 func (s *Server) unavailable(w http.ResponseWriter, r *http.Request, what string, err error) {
