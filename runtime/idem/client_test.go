@@ -287,21 +287,30 @@ func TestClientNeverRetriesUnreplayableBody(t *testing.T) {
 	}
 }
 
+// roundTripFunc adapts a function to http.RoundTripper.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
 // Cancelled while waiting out a 60s Retry-After: RoundTrip returns at once
 // with ctx.Err() itself.
 func TestClientCancelDuringBackoff(t *testing.T) {
-	first := make(chan struct{})
-	rec := newRecorder(t, func(n int, w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Retry-After", "60")
-		w.WriteHeader(http.StatusServiceUnavailable)
-		if n == 1 {
-			close(first)
-		}
-	})
 	cfg := fast
 	cfg.MaxRetryAfter = 2 * time.Minute
 	for _, via := range []string{"transport", "client"} {
 		t.Run(via, func(t *testing.T) {
+			rec := newRecorder(t, func(_ int, w http.ResponseWriter, _ *http.Request) {
+				w.Header().Set("Retry-After", "60")
+				w.WriteHeader(http.StatusServiceUnavailable)
+			})
+			// answered is signalled when the 503 is in the client's hands:
+			// from then on it is waiting out the 60s.
+			answered := make(chan struct{}, 1)
+			base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				resp, err := http.DefaultTransport.RoundTrip(r)
+				answered <- struct{}{}
+				return resp, err
+			})
 			ctx, cancel := context.WithCancel(WithCallName(opContext(context.Background(), opKey), "charge"))
 			defer cancel()
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, rec.srv.URL, strings.NewReader("{}"))
@@ -310,9 +319,9 @@ func TestClientCancelDuringBackoff(t *testing.T) {
 				var resp *http.Response
 				var err error
 				if via == "transport" {
-					resp, err = NewTransport(nil, cfg).RoundTrip(req)
+					resp, err = NewTransport(base, cfg).RoundTrip(req)
 				} else {
-					resp, err = NewClient(nil, cfg).Do(req)
+					resp, err = NewClient(base, cfg).Do(req)
 				}
 				if resp != nil {
 					resp.Body.Close()
@@ -320,11 +329,7 @@ func TestClientCancelDuringBackoff(t *testing.T) {
 				}
 				done <- err
 			}()
-			if via == "transport" {
-				<-first // the 503 is in hand; the client is waiting out the 60s
-			} else {
-				waitHits(t, rec, 2)
-			}
+			<-answered
 			cancel()
 			var err error
 			select {
@@ -340,6 +345,9 @@ func TestClientCancelDuringBackoff(t *testing.T) {
 				t.Fatalf("RoundTrip returned %#v, want ctx.Err() itself", err)
 			} else if via == "client" && (!errors.As(err, &ue) || ue.Err != ctx.Err()) {
 				t.Fatalf("Do returned %#v, want the standard *url.Error around ctx.Err() itself", err)
+			}
+			if n := len(rec.all()); n != 1 {
+				t.Fatalf("%d attempts, want 1", n)
 			}
 		})
 	}
