@@ -3,6 +3,7 @@
 //
 //	go run ./examples/payments            run the demo: start the service, play a client that retries, check the database
 //	go run ./examples/payments serve      HTTP on $ADDR, consumers, relay and janitor in one process, until SIGTERM
+//	go run ./examples/payments provider   the payment provider on $PROVIDER_ADDR (default 127.0.0.1:8081); serve calls $PROVIDER_URL
 //	go run ./examples/payments --help     every command and environment variable
 //
 // On SIGTERM, serve drains requests for $DRAIN_TIMEOUT (default 10s), then
@@ -53,10 +54,12 @@ func main() {
 		err = consume(ctx)
 	case "relay":
 		err = relay(ctx)
+	case "provider":
+		err = runProvider(ctx)
 	case "help", "-h", "-help", "--help":
 		fmt.Print(usage)
 	default:
-		err = fmt.Errorf("unknown command %q (want demo, serve, consume or relay; see payments --help)", cmd)
+		err = fmt.Errorf("unknown command %q (want demo, serve, consume, relay or provider; see payments --help)", cmd)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)

@@ -30,12 +30,16 @@ Commands:
            $KAFKA_EMBEDDED_ADDR that kcat and other Kafka tools can use
   consume  run only the Kafka consumers (needs KAFKA_BROKERS)
   relay    run only the outbox relay (needs KAFKA_BROKERS)
+  provider run the payment provider the service charges through (a separate
+           process, as a real provider would be) on $PROVIDER_ADDR
   help     print this
 
 Environment:
   DATABASE_URL          PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres)
   ADDR                  serve: HTTP listen address (default 127.0.0.1:8080; port 0 picks one)
   DRAIN_TIMEOUT         serve: on SIGTERM, how long in-flight requests may finish (default 10s)
+  PROVIDER_URL          serve, consume: the payment provider (default http://127.0.0.1:8081)
+  PROVIDER_ADDR         provider: its listen address (default 127.0.0.1:8081)
   KAFKA_BROKERS         comma-separated seed brokers; serve: empty starts an embedded broker;
                         demo: empty uses an embedded broker on a random port
   KAFKA_EMBEDDED_ADDR   serve: the embedded broker's address (default 127.0.0.1:9092)

@@ -36,7 +36,8 @@ func freeAddr(t *testing.T) string {
 func TestServeEmbeddedBroker(t *testing.T) {
 	dbURL := pgtest.Schema(t)
 	kafkaAddr := freeAddr(t)
-	c := startProcess(t, "serve", listening, "DATABASE_URL="+dbURL, "ADDR=127.0.0.1:0", "KAFKA_EMBEDDED_ADDR="+kafkaAddr)
+	c := startProcess(t, "serve", listening, "DATABASE_URL="+dbURL, "ADDR=127.0.0.1:0", "KAFKA_EMBEDDED_ADDR="+kafkaAddr,
+		"PROVIDER_URL="+providerFor(t, dbURL).url)
 	c.waitLog(t, regexp.MustCompile(`embedded kafka broker .*addr=`+regexp.QuoteMeta(kafkaAddr)))
 	c.waitLog(t, regexp.MustCompile(`partitions assigned`))
 	c.waitLog(t, leading)
@@ -124,8 +125,8 @@ func TestHelp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"demo", "serve", "consume", "relay",
-		"DATABASE_URL", "ADDR", "DRAIN_TIMEOUT", "KAFKA_BROKERS", "KAFKA_EMBEDDED_ADDR", "KAFKA_CREATE_TOPICS",
+	for _, want := range []string{"demo", "serve", "consume", "relay", "provider",
+		"DATABASE_URL", "ADDR", "PROVIDER_URL", "PROVIDER_ADDR", "DRAIN_TIMEOUT", "KAFKA_BROKERS", "KAFKA_EMBEDDED_ADDR", "KAFKA_CREATE_TOPICS",
 		"KAFKA_SESSION_TIMEOUT", "LOG_LEVEL", "IDEM_CRASH_AT"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("--help does not mention %s", want)
