@@ -165,12 +165,12 @@ func TestRelayCrashBetweenPublishAndMark(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.Handlers = IdemConsumers(&Billing{}, &Notifications{})[1:]
-	cons, err := kafka.NewConsumer(k.pool, cfg)
+	outcomes := make(chan idem.Outcome, 10)
+	cfg.OnRecord = func(_ *idem.EventHandler, _ *idem.Record, o idem.Outcome) { outcomes <- o }
+	cons, err := kafka.NewConsumer(idem.NewStore(k.pool), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	outcomes := make(chan idem.Outcome, 10)
-	cons.OnRecord = func(_ *idem.EventHandler, _ *idem.Record, o idem.Outcome) { outcomes <- o }
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- cons.Run(cctx) }()

@@ -143,7 +143,7 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 	cfg := kafka.ConsumerConfig{
 		Brokers:    brokers,
 		Group:      "payments",
-		Handlers:  IdemConsumers(&Billing{}, &Notifications{}),
+		Handlers:   IdemConsumers(&Billing{}, &Notifications{}),
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
 	}
 	// Tests shorten the session timeout so a killed member's partitions move
@@ -178,12 +178,12 @@ func consume(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c, err := kafka.NewConsumer(pool, cfg)
+		cfg.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
+			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+		}
+		c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 		if err != nil {
 			return err
-		}
-		c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
 		}
 		slog.Info("payments consuming", "brokers", brokers)
 		return c.Run(ctx)

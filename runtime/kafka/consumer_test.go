@@ -128,7 +128,7 @@ func TestPoisonRecordsDeadLettered(t *testing.T) {
 			if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE context = 'billing' AND topic = 'orders'`); n != 3 {
 				t.Fatalf("%d dead letters, want 3", n)
 			}
-			if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE value = '{not json'::bytea AND headers->>'trace' = 't-1' AND last_error LIKE 'decode%'`); n != 1 {
+			if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE value = '{not json'::bytea AND header_keys = ARRAY['trace'::bytea] AND header_values = ARRAY['t-1'::bytea] AND last_error LIKE 'decode%'`); n != 1 {
 				t.Fatal("the undecodable record was not stored raw with its headers and error")
 			}
 			if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE attempts = 3 AND last_error = 'negative amount'`); n != 1 {

@@ -128,12 +128,12 @@ func startConsumer(t testing.TB, pool *pgxpool.Pool, cfg kafka.ConsumerConfig, o
 	}
 	cfg.ClientOpts = append(cfg.ClientOpts, kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.FetchMaxWait(100*time.Millisecond))
-	c, err := kafka.NewConsumer(pool, cfg)
+	if out != nil {
+		cfg.OnRecord = out.record
+	}
+	c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if out != nil {
-		c.OnRecord = out.record
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &running{c: c, stop: cancel, done: make(chan error, 1)}
