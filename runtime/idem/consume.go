@@ -365,13 +365,24 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	if err := ctx.Err(); err != nil {
 		return 0, err // never commit a cancelled operation, even if the handler ignored it
 	}
-	sctx, cancel = p.storageCtx(ctx)
-	err = tx.Commit(sctx)
-	cancel()
-	if err != nil {
-		return 0, &storageError{op: "commit", err: err}
+	if err := p.commit(ctx, tx); err != nil {
+		return 0, err
 	}
 	return outcome, nil
+}
+
+// commit commits tx. Once the decision to commit is taken, a cancellation
+// (shutdown, a rebalance waiting) no longer interrupts it: cancelling a
+// COMMIT in flight leaves its outcome unknown to us (it may have committed on
+// the server), which costs a redelivery and reports an applied record as a
+// duplicate. StorageTimeout still bounds it.
+func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.StorageTimeout)
+	defer cancel()
+	if err := tx.Commit(cctx); err != nil {
+		return &storageError{op: "commit", err: err}
+	}
+	return nil
 }
 
 // ProcessBatch applies records of one partition, in order, in a single
@@ -461,11 +472,8 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	sctx, cancel = p.storageCtx(ctx)
-	err = tx.Commit(sctx)
-	cancel()
-	if err != nil {
-		return nil, &storageError{op: "commit", err: err}
+	if err := p.commit(ctx, tx); err != nil {
+		return nil, err
 	}
 	return outcomes, nil
 }
