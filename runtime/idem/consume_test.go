@@ -410,3 +410,55 @@ VALUES ('ctx', 'events', 0, 0, 'old', '{"trace": "t-1"}', 1, 'decode');`)
 		t.Fatalf("%d dead letters at offset 0 after the upgrade, want 2", n)
 	}
 }
+
+// What the handler enqueues in the outbox lives and dies with its
+// transaction, and the processor decides that transaction's fate: a failed
+// attempt, a dead-lettered record, a cancelled one and a duplicate leave no
+// outbox row; the one successful application leaves exactly one. (A test
+// that enqueues and rolls back by hand only tests PostgreSQL; this one fails
+// if the processor commits a failed attempt, commits after a cancellation,
+// or runs the handler for a duplicate.)
+func TestProcessorRollsBackHandlerOutboxEvents(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	p := processor(t, store, 3)
+	var calls atomic.Int64
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	h := handler(func(hctx context.Context, tx pgx.Tx, e event) error {
+		if err := idem.Enqueue(hctx, tx, "receipts", *e.ID, map[string]any{"id": *e.ID, "call": calls.Add(1)}); err != nil {
+			return err
+		}
+		switch {
+		case *e.ID == "poison":
+			return errors.New("always fails")
+		case *e.ID == "cancelled":
+			cancel()
+			return nil // swallows the cancellation: must still not commit
+		case *e.ID == "flaky" && calls.Load() < 3:
+			return errors.New("fails twice")
+		}
+		return nil
+	})
+	run := func(c context.Context, id string) (idem.Outcome, error) {
+		return p.Process(c, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"` + id + `"}`)})
+	}
+	if o, err := run(context.Background(), "flaky"); err != nil || o != idem.Applied {
+		t.Fatalf("flaky: %v %v", o, err)
+	}
+	if o, err := run(context.Background(), "flaky"); err != nil || o != idem.Duplicate {
+		t.Fatalf("flaky again: %v %v", o, err)
+	}
+	if o, err := run(context.Background(), "poison"); err != nil || o != idem.DeadLettered {
+		t.Fatalf("poison: %v %v", o, err)
+	}
+	if _, err := run(ctx, "cancelled"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled: %v", err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox`); n != 1 {
+		t.Fatalf("%d outbox rows, want 1: the successful third attempt of flaky", n)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE record_key = 'flaky'::bytea AND convert_from(payload, 'UTF8')::jsonb->>'call' = '3'`); n != 1 {
+		t.Fatal("the outbox row is not the one of the successful attempt")
+	}
+}
