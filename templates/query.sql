@@ -69,9 +69,30 @@ ON CONFLICT (context, event_id) DO NOTHING
 RETURNING event_id;
 
 -- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @headers, @attempts, @last_error)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING;
+-- A conflict is the same record (same bytes, same position) delivered again
+-- after a crash between the dead-letter commit and the offset commit.
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @header_keys::bytea[], @header_values::bytea[],
+        @record_digest, @attempts, @last_error)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING;
+
+-- name: GetDeadLetter :one
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
+FROM idem_dead_letters
+WHERE id = @id;
+
+-- name: MarkDeadLetterReplayed :execrows
+-- Runs in the replay's transaction, first: the row lock serializes concurrent
+-- replays of one dead letter, and a replayed one is not replayed again.
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = @id AND replayed_at IS NULL;
+
+-- name: RecordDeadLetterFailure :exec
+-- A replay that failed again: the dead letter stays, with the new error.
+UPDATE idem_dead_letters SET attempts = attempts + @attempts, last_error = @last_error
+WHERE id = @id AND replayed_at IS NULL;
 
 -- name: DeleteProcessedEventsBefore :execrows
 -- Oldest first through idem_processed_events_processed_at, so a batch reads
@@ -270,24 +291,15 @@ WHERE id IN (
 );
 
 -- name: ListDeadLetters :many
-SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at,
+-- Dead letters not yet replayed (all of them with @include_replayed).
+SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at, d.replayed_at,
        coalesce(length(d.value), 0)::bigint AS value_len
 FROM idem_dead_letters d
 WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
   AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
+  AND (@include_replayed::bool OR d.replayed_at IS NULL)
 ORDER BY d.id
 LIMIT @max_rows;
-
--- name: GetDeadLetter :one
-SELECT id, context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error, created_at
-FROM idem_dead_letters
-WHERE id = @id;
-
--- name: LockDeadLetter :one
--- Replay holds the row while it produces, so two operators replaying the
--- same dead letter do not both produce it (the second one waits, then finds
--- the row gone).
-SELECT id FROM idem_dead_letters WHERE id = @id FOR UPDATE;
 
 -- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = @id;

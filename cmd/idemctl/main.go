@@ -45,11 +45,12 @@ Outbox:
                                            delete old published and/or parked rows
 
 Dead letters:
-  deadletters list    [--context C] [--topic T] [--limit N]
+  deadletters list    [--context C] [--topic T] [--all] [--limit N]
+                                           not yet replayed ones (--all: replayed too)
   deadletters show    --id N               key, value and headers, escaped
   deadletters replay  --id N [--yes] [--timeout 30s]
                                            re-produce to its topic (needs KAFKA_BROKERS),
-                                           delete once the broker acked
+                                           mark it replayed once the broker acked
   deadletters discard --id N [--yes]
 
 Idempotency keys (scoped: name the scope, the principal and the key):
@@ -329,6 +330,7 @@ func (c *cli) deadLettersList(args []string) error {
 	fs := flag.NewFlagSet("deadletters list", flag.ContinueOnError)
 	context := fs.String("context", "", "only this consumer context")
 	topic := fs.String("topic", "", "only this topic")
+	all := fs.Bool("all", false, "include replayed dead letters (kept until retention)")
 	limit := fs.Int("limit", 100, "list at most this many")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -337,14 +339,15 @@ func (c *cli) deadLettersList(args []string) error {
 	if err != nil {
 		return err
 	}
-	rows, err := a.DeadLetters(c.ctx, admin.DeadLetterFilter{Context: *context, Topic: *topic}, *limit)
+	rows, err := a.DeadLetters(c.ctx, admin.DeadLetterFilter{Context: *context, Topic: *topic, IncludeReplayed: *all}, *limit)
 	if err != nil {
 		return err
 	}
 	c.printf("%d dead letter(s)\n", len(rows))
 	for _, d := range rows {
-		c.printf("id=%d context=%s %s/%d@%d attempts=%d value_bytes=%d at=%s\n  last_error: %s\n", d.ID, escape([]byte(d.Context)),
-			escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts, d.ValueLen, d.CreatedAt.UTC().Format(time.RFC3339), escape([]byte(d.LastError)))
+		c.printf("id=%d context=%s %s/%d@%d attempts=%d value_bytes=%d at=%s%s\n  last_error: %s\n", d.ID, escape([]byte(d.Context)),
+			escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts, d.ValueLen, d.CreatedAt.UTC().Format(time.RFC3339),
+			replayed(d), escape([]byte(d.LastError)))
 	}
 	return nil
 }
@@ -358,10 +361,17 @@ func needID(id int64) error {
 	return nil
 }
 
+func replayed(d admin.DeadLetter) string {
+	if d.ReplayedAt.IsZero() {
+		return ""
+	}
+	return " replayed=" + d.ReplayedAt.UTC().Format(time.RFC3339)
+}
+
 func (c *cli) printDeadLetter(d admin.DeadLetter) {
 	c.printf("id:         %d\ncontext:    %s\nrecord:     %s partition %d offset %d\nattempts:   %d\nat:         %s\nlast_error: %s\nkey:        %s\nvalue:      %s\nheaders:    %d\n",
 		d.ID, escape([]byte(d.Context)), escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts,
-		d.CreatedAt.UTC().Format(time.RFC3339), escape([]byte(d.LastError)), escape(d.Key), escape(d.Value), len(d.Headers))
+		d.CreatedAt.UTC().Format(time.RFC3339)+replayed(d), escape([]byte(d.LastError)), escape(d.Key), escape(d.Value), len(d.Headers))
 	for _, h := range d.Headers {
 		c.printf("  %s: %s\n", escape([]byte(h.Key)), escape(h.Value))
 	}
@@ -451,7 +461,11 @@ func (c *cli) deadLettersReplay(args []string) error {
 		if err != nil {
 			return err
 		}
-		c.printf("dry run: would produce dead letter %d again to topic %s (key %s, %d header(s), %d value bytes), then delete it; run again with --yes\n",
+		if !d.ReplayedAt.IsZero() {
+			c.printf("dry run: dead letter %d was replayed already (%s); nothing to replay\n", d.ID, d.ReplayedAt.UTC().Format(time.RFC3339))
+			return nil
+		}
+		c.printf("dry run: would produce dead letter %d again to topic %s (key %s, %d header(s), %d value bytes), then mark it replayed; run again with --yes\n",
 			d.ID, escape([]byte(d.Topic)), escape(d.Key), len(d.Headers), len(d.Value))
 		return nil
 	}
@@ -479,10 +493,10 @@ func (c *cli) deadLettersReplay(args []string) error {
 		return err
 	}
 	if !found {
-		c.printf("dead letter %d does not exist (already replayed or discarded); nothing done\n", *id)
+		c.printf("dead letter %d does not exist or was replayed already; nothing done\n", *id)
 		return nil
 	}
-	c.printf("replayed dead letter %d: produced and acked, then deleted\n", *id)
+	c.printf("replayed dead letter %d: produced and acked, then marked replayed\n", *id)
 	return nil
 }
 

@@ -106,13 +106,11 @@ func serve(ctx context.Context) error {
 	}
 	relay, closeRelay, err := newRelay(ctx, pool, brokers, chk)
 	if err != nil {
-		_ = consumer.Run(canceled()) // closes its client
 		return err
 	}
 	defer closeRelay()
 	janitor, err := idem.NewJanitor(idem.NewStore(pool), idem.JanitorConfig{})
 	if err != nil {
-		_ = consumer.Run(canceled())
 		return err
 	}
 
@@ -149,12 +147,6 @@ func serve(ctx context.Context) error {
 		}
 	}
 	return errors.Join(all...)
-}
-
-func canceled() context.Context {
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	return ctx
 }
 
 // brokersOrEmbedded returns $KAFKA_BROKERS, or starts an embedded broker on
@@ -200,16 +192,15 @@ func newConsumer(ctx context.Context, pool *pgxpool.Pool, brokers []string, chk 
 	if err != nil {
 		return nil, err
 	}
-	c, err := kafka.NewConsumer(pool, cfg)
+	cfg.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
+		slog.Debug("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+	}
+	c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		return nil, err
 	}
 	if err := c.CheckTopics(ctx, chk); err != nil {
-		_ = c.Run(canceled())
 		return nil, err
-	}
-	c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-		slog.Debug("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
 	}
 	slog.Info("payments consuming", "brokers", brokers, "group", cfg.Group, "topics", c.Topics())
 	return c, nil

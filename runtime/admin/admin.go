@@ -9,11 +9,8 @@ package admin
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
@@ -34,12 +32,15 @@ var ErrInFlight = errors.New("in flight: a live transaction holds it")
 // Admin runs operator commands against one database (and schema: the
 // connection's search_path). It is safe for concurrent use.
 type Admin struct {
-	pool *pgxpool.Pool
-	q    *db.Queries
+	pool  *pgxpool.Pool
+	q     *db.Queries
+	store *idem.Store
 }
 
 // New returns an Admin on pool.
-func New(pool *pgxpool.Pool) *Admin { return &Admin{pool: pool, q: db.New(pool)} }
+func New(pool *pgxpool.Pool) *Admin {
+	return &Admin{pool: pool, q: db.New(pool), store: idem.NewStore(pool)}
+}
 
 // OutboxStatus is the outbox at a glance.
 type OutboxStatus struct {
@@ -210,13 +211,18 @@ type DeadLetter struct {
 	Topic     string
 	Partition int32
 	Offset    int64
-	Key       []byte
-	Value     []byte
-	ValueLen  int64
+	// Key and Value are nil for a null key or value.
+	Key, Value []byte
+	ValueLen   int64
+	// Headers in delivery order, repeated names kept.
 	Headers   []Header
 	Attempts  int32
 	LastError string
 	CreatedAt time.Time
+	// ReplayedAt is when it was replayed (re-produced and acked, or applied
+	// in place by idem.Processor.ReplayDeadLetter); zero while it is still a
+	// dead letter.
+	ReplayedAt time.Time
 }
 
 // Header is one record header, raw.
@@ -229,15 +235,18 @@ type Header struct {
 type DeadLetterFilter struct {
 	Context string
 	Topic   string
+	// IncludeReplayed lists replayed ones too (kept until retention).
+	IncludeReplayed bool
 }
 
 // DeadLetters lists up to limit dead letters matching f, oldest first,
 // without their key, value and headers (see DeadLetter for those).
 func (a *Admin) DeadLetters(ctx context.Context, f DeadLetterFilter, limit int) ([]DeadLetter, error) {
 	rows, err := a.q.ListDeadLetters(ctx, db.ListDeadLettersParams{
-		Context: pgtype.Text{String: f.Context, Valid: f.Context != ""},
-		Topic:   pgtype.Text{String: f.Topic, Valid: f.Topic != ""},
-		MaxRows: int32(limit),
+		Context:         pgtype.Text{String: f.Context, Valid: f.Context != ""},
+		Topic:           pgtype.Text{String: f.Topic, Valid: f.Topic != ""},
+		IncludeReplayed: f.IncludeReplayed,
+		MaxRows:         int32(limit),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list dead letters: %w", err)
@@ -245,47 +254,27 @@ func (a *Admin) DeadLetters(ctx context.Context, f DeadLetterFilter, limit int) 
 	out := make([]DeadLetter, len(rows))
 	for i, r := range rows {
 		out[i] = DeadLetter{ID: r.ID, Context: r.Context, Topic: r.Topic, Partition: r.Kpartition, Offset: r.Koffset,
-			ValueLen: r.ValueLen, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt.Time}
+			ValueLen: r.ValueLen, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt.Time,
+			ReplayedAt: r.ReplayedAt.Time}
 	}
 	return out, nil
 }
 
 // DeadLetter returns dead letter id in full, or ErrNotFound.
 func (a *Admin) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
-	return getDeadLetter(ctx, a.q, id)
-}
-
-func getDeadLetter(ctx context.Context, q *db.Queries, id int64) (DeadLetter, error) {
-	r, err := q.GetDeadLetter(ctx, id)
-	if errors.Is(err, pgx.ErrNoRows) {
+	d, err := a.store.DeadLetter(ctx, id)
+	if errors.Is(err, idem.ErrDeadLetterNotFound) {
 		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, ErrNotFound)
 	}
 	if err != nil {
-		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, err)
+		return DeadLetter{}, err
 	}
-	headers, err := decodeHeaders(r.Headers)
-	if err != nil {
-		return DeadLetter{}, fmt.Errorf("dead letter %d: headers: %w", id, err)
+	out := DeadLetter{ID: d.ID, Context: d.Context, Topic: d.Record.Topic, Partition: d.Record.Partition,
+		Offset: d.Record.Offset, Key: d.Record.Key, Value: d.Record.Value, ValueLen: int64(len(d.Record.Value)),
+		Attempts: int32(d.Attempts), LastError: d.LastError, CreatedAt: d.CreatedAt, ReplayedAt: d.ReplayedAt}
+	for _, h := range d.Record.Headers {
+		out.Headers = append(out.Headers, Header{Key: h.Key, Value: h.Value})
 	}
-	return DeadLetter{ID: r.ID, Context: r.Context, Topic: r.Topic, Partition: r.Kpartition, Offset: r.Koffset,
-		Key: r.RecordKey, Value: r.Value, ValueLen: int64(len(r.Value)), Headers: headers, Attempts: r.Attempts,
-		LastError: r.LastError, CreatedAt: r.CreatedAt.Time}, nil
-}
-
-// decodeHeaders reads the headers column: today a JSON object of header name
-// to value, so repeated names keep only one value and values are text.
-func decodeHeaders(b []byte) ([]Header, error) {
-	m := map[string]string{}
-	if len(b) > 0 {
-		if err := json.Unmarshal(b, &m); err != nil {
-			return nil, err
-		}
-	}
-	out := make([]Header, 0, len(m))
-	for k, v := range m {
-		out = append(out, Header{Key: k, Value: []byte(v)})
-	}
-	slices.SortFunc(out, func(a, b Header) int { return strings.Compare(a.Key, b.Key) })
 	return out, nil
 }
 
@@ -304,41 +293,42 @@ func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
 type Producer func(ctx context.Context, d DeadLetter) error
 
 // ReplayDeadLetter re-produces dead letter id to its topic with produce and
-// deletes it once the broker acknowledged. The record keeps its key (so its
-// partition, with the default partitioner) and its headers, among them
-// idem-event-id, so it goes through the consumers' ordinary exactly-once path:
-// the failed context applies it, and contexts that had applied it skip it
-// as a duplicate.
+// marks it replayed once the broker acknowledged. The record keeps its key
+// (so its partition, with the default partitioner) and its headers in order,
+// among them idem-event-id, so it goes through the consumers' ordinary
+// exactly-once path: the failed context applies it, and contexts that had
+// applied it skip it as a duplicate. (A service that wants to re-process in
+// place, without the broker, uses idem.Processor.ReplayDeadLetter.)
 //
-// The row is locked while producing, so two operators replaying it at once
-// produce it once. If the process dies between the ack and the delete, the
-// dead letter stays and a second replay produces it again; consumers
-// deduplicate that by event id. It returns false if there was no such dead
-// letter (already replayed or discarded).
+// The mark is written first and committed only after the ack: it locks the
+// row, so two operators replaying it at once produce it once, and a failed
+// produce rolls the mark back. If the process dies between the ack and the
+// commit, the dead letter is still unreplayed and a second replay produces
+// it again; consumers deduplicate that by event id. It returns false if
+// there is no such dead letter or it was replayed already.
 func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer) (bool, error) {
 	tx, err := a.pool.Begin(ctx)
 	if err != nil {
 		return false, fmt.Errorf("replay dead letter %d: begin: %w", id, err)
 	}
 	defer rollback(ctx, tx)
-	q := db.New(tx)
-	if _, err := q.LockDeadLetter(ctx, id); errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
-	} else if err != nil {
-		return false, fmt.Errorf("replay dead letter %d: lock: %w", id, err)
+	n, err := db.New(tx).MarkDeadLetterReplayed(ctx, id)
+	if err != nil {
+		return false, fmt.Errorf("replay dead letter %d: mark: %w", id, err)
 	}
-	d, err := getDeadLetter(ctx, q, id)
+	if n == 0 {
+		return false, nil
+	}
+	// The row's bytes never change; reading them outside tx is the same read.
+	d, err := a.DeadLetter(ctx, id)
 	if err != nil {
 		return false, fmt.Errorf("replay: %w", err)
 	}
 	if err := produce(ctx, d); err != nil {
-		return false, fmt.Errorf("replay dead letter %d: produce to %s: %w", id, d.Topic, err)
-	}
-	if _, err := q.DeleteDeadLetter(ctx, id); err != nil {
-		return false, fmt.Errorf("replay dead letter %d: produced, but deleting it failed (a second replay is deduplicated by event id): %w", id, err)
+		return false, fmt.Errorf("replay dead letter %d: produce to %s partition-key %q: %w", id, d.Topic, d.Key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return false, fmt.Errorf("replay dead letter %d: produced, but deleting it failed (a second replay is deduplicated by event id): %w", id, err)
+		return false, fmt.Errorf("replay dead letter %d: produced, but marking it replayed failed (a second replay is deduplicated by event id): %w", id, err)
 	}
 	return true, nil
 }

@@ -106,14 +106,14 @@ ANALYZE idem_outbox;`)
 	}
 }
 
-// TestReplayDeadLetter: a failed produce leaves the dead letter in place;
+// TestReplayDeadLetter: a failed produce leaves the dead letter unreplayed;
 // two operators replaying the same dead letter at once produce it once (the
-// row is locked during the produce); after the ack the row is gone and a
-// further replay does nothing.
+// row is locked during the produce); after the ack it is marked replayed and
+// a further replay does nothing.
 func TestReplayDeadLetter(t *testing.T) {
 	pool := migrated(t, nil)
-	pgtest.Exec(t, pool, `INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES ('billing', 'orders', 0, 7, 'k', 'v', '{"idem-event-id":"ev-7"}', 5, 'boom')`)
+	pgtest.Exec(t, pool, `INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-7'::bytea], 5, 'boom')`)
 	a := admin.New(pool)
 	ctx := context.Background()
 	id := pgtest.Count(t, pool, `SELECT id FROM idem_dead_letters`)
@@ -122,8 +122,8 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', '{"idem-event-id":"ev-7"}', 5, 'boo
 	if _, err := a.ReplayDeadLetter(ctx, id, func(context.Context, admin.DeadLetter) error { return brokerDown }); !errors.Is(err, brokerDown) {
 		t.Fatalf("err = %v, want the produce error", err)
 	}
-	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 1 {
-		t.Fatal("a failed replay deleted the dead letter")
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE replayed_at IS NULL`); n != 1 {
+		t.Fatal("a failed replay marked the dead letter replayed")
 	}
 
 	var produced atomic.Int32
@@ -164,8 +164,11 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', '{"idem-event-id":"ev-7"}', 5, 'boo
 	if string(got.Key) != "k" || string(got.Value) != "v" || len(got.Headers) != 1 || got.Headers[0].Key != idem.EventIDHeader || string(got.Headers[0].Value) != "ev-7" {
 		t.Errorf("produced %+v, want the record with its key, value and event-id header", got)
 	}
-	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
-		t.Error("the replayed dead letter is still there")
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE replayed_at IS NOT NULL`); n != 1 {
+		t.Error("the replayed dead letter is not marked replayed")
+	}
+	if ok, err := a.ReplayDeadLetter(ctx, id, produce); ok || err != nil || produced.Load() != 1 {
+		t.Errorf("replaying a replayed dead letter: %v, %v, %d produces; want nothing done", ok, err, produced.Load())
 	}
 }
 
@@ -174,7 +177,7 @@ func waitBlocked(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
-		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%LockDeadLetter%'`) > 0 {
+		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%MarkDeadLetterReplayed%'`) > 0 {
 			return
 		}
 		time.Sleep(10 * time.Millisecond)

@@ -117,10 +117,17 @@ func (c *Consumer) Topics() []string {
 	return slices.Sorted(maps.Keys(c.byTopic))
 }
 
-// CheckTopics runs CheckTopics for the consumer's topics on its client.
+// CheckTopics runs CheckTopics for the consumer's topics. Call it before
+// Run (the consumer opens its group client only in Run): it uses a
+// short-lived client with the consumer's brokers and ClientOpts (TLS, SASL).
 func (c *Consumer) CheckTopics(ctx context.Context, chk TopicCheck) error {
-	if err := CheckTopics(ctx, c.client, c.Topics(), chk); err != nil {
-		return fmt.Errorf("kafka consumer: %w", err)
+	cl, err := kgo.NewClient(append(append([]kgo.Opt{}, c.cfg.ClientOpts...), kgo.SeedBrokers(c.cfg.Brokers...))...)
+	if err != nil {
+		return fmt.Errorf("kafka consumer (group %s): check topics: %w", c.cfg.Group, err)
+	}
+	defer cl.Close()
+	if err := CheckTopics(ctx, cl, c.Topics(), chk); err != nil {
+		return fmt.Errorf("kafka consumer (group %s): %w", c.cfg.Group, err)
 	}
 	return nil
 }

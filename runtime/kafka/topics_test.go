@@ -58,15 +58,10 @@ func TestConsumerCheckTopics(t *testing.T) {
 		idem.Consume(idem.EventSpec[order]{Topic: "orders", Context: "a"}, nil),
 		idem.Consume(idem.EventSpec[order]{Topic: "refunds", Context: "b"}, nil),
 	}
-	c, err := kafka.NewConsumer(db(t), kafka.ConsumerConfig{Brokers: brokers, Group: "g", Handlers: handlers})
+	c, err := kafka.NewConsumer(idem.NewStore(db(t)), kafka.ConsumerConfig{Brokers: brokers, Group: "g", Handlers: handlers})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() {
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		_ = c.Run(ctx) // closes the client
-	}()
 	if got := strings.Join(c.Topics(), ","); got != "orders,refunds" {
 		t.Errorf("Topics() = %s", got)
 	}

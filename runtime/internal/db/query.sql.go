@@ -423,14 +423,31 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 }
 
 const getDeadLetter = `-- name: GetDeadLetter :one
-SELECT id, context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error, created_at
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
 FROM idem_dead_letters
 WHERE id = $1
 `
 
-func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (IdemDeadLetter, error) {
+type GetDeadLetterRow struct {
+	ID           int64
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	Attempts     int32
+	LastError    string
+	CreatedAt    pgtype.Timestamptz
+	ReplayedAt   pgtype.Timestamptz
+}
+
+func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (GetDeadLetterRow, error) {
 	row := q.db.QueryRow(ctx, getDeadLetter, id)
-	var i IdemDeadLetter
+	var i GetDeadLetterRow
 	err := row.Scan(
 		&i.ID,
 		&i.Context,
@@ -439,10 +456,12 @@ func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (IdemDeadLetter, 
 		&i.Koffset,
 		&i.RecordKey,
 		&i.Value,
-		&i.Headers,
+		&i.HeaderKeys,
+		&i.HeaderValues,
 		&i.Attempts,
 		&i.LastError,
 		&i.CreatedAt,
+		&i.ReplayedAt,
 	)
 	return i, err
 }
@@ -481,23 +500,29 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 }
 
 const insertDeadLetter = `-- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES ($1, $2, $3, $4, $5, $6, $7::bytea[], $8::bytea[],
+        $9, $10, $11)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING
 `
 
 type InsertDeadLetterParams struct {
-	Context    string
-	Topic      string
-	Kpartition int32
-	Koffset    int64
-	RecordKey  []byte
-	Value      []byte
-	Headers    []byte
-	Attempts   int32
-	LastError  string
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	RecordDigest []byte
+	Attempts     int32
+	LastError    string
 }
 
+// A conflict is the same record (same bytes, same position) delivered again
+// after a crash between the dead-letter commit and the offset commit.
 func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
 	_, err := q.db.Exec(ctx, insertDeadLetter,
 		arg.Context,
@@ -506,7 +531,9 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 		arg.Koffset,
 		arg.RecordKey,
 		arg.Value,
-		arg.Headers,
+		arg.HeaderKeys,
+		arg.HeaderValues,
+		arg.RecordDigest,
 		arg.Attempts,
 		arg.LastError,
 	)
@@ -598,19 +625,21 @@ func (q *Queries) JanitorUnlock(ctx context.Context) (bool, error) {
 }
 
 const listDeadLetters = `-- name: ListDeadLetters :many
-SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at,
+SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at, d.replayed_at,
        coalesce(length(d.value), 0)::bigint AS value_len
 FROM idem_dead_letters d
 WHERE ($1::text IS NULL OR d.context = $1)
   AND ($2::text IS NULL OR d.topic = $2)
+  AND ($3::bool OR d.replayed_at IS NULL)
 ORDER BY d.id
-LIMIT $3
+LIMIT $4
 `
 
 type ListDeadLettersParams struct {
-	Context pgtype.Text
-	Topic   pgtype.Text
-	MaxRows int32
+	Context         pgtype.Text
+	Topic           pgtype.Text
+	IncludeReplayed bool
+	MaxRows         int32
 }
 
 type ListDeadLettersRow struct {
@@ -622,11 +651,18 @@ type ListDeadLettersRow struct {
 	Attempts   int32
 	LastError  string
 	CreatedAt  pgtype.Timestamptz
+	ReplayedAt pgtype.Timestamptz
 	ValueLen   int64
 }
 
+// Dead letters not yet replayed (all of them with @include_replayed).
 func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams) ([]ListDeadLettersRow, error) {
-	rows, err := q.db.Query(ctx, listDeadLetters, arg.Context, arg.Topic, arg.MaxRows)
+	rows, err := q.db.Query(ctx, listDeadLetters,
+		arg.Context,
+		arg.Topic,
+		arg.IncludeReplayed,
+		arg.MaxRows,
+	)
 	if err != nil {
 		return nil, err
 	}
@@ -643,6 +679,7 @@ func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams
 			&i.Attempts,
 			&i.LastError,
 			&i.CreatedAt,
+			&i.ReplayedAt,
 			&i.ValueLen,
 		); err != nil {
 			return nil, err
@@ -718,20 +755,6 @@ func (q *Queries) ListenOutbox(ctx context.Context) error {
 	return err
 }
 
-const lockDeadLetter = `-- name: LockDeadLetter :one
-SELECT id FROM idem_dead_letters WHERE id = $1 FOR UPDATE
-`
-
-// Replay holds the row while it produces, so two operators replaying the
-// same dead letter do not both produce it (the second one waits, then finds
-// the row gone).
-func (q *Queries) LockDeadLetter(ctx context.Context, id int64) (int64, error) {
-	row := q.db.QueryRow(ctx, lockDeadLetter, id)
-	var id_2 int64
-	err := row.Scan(&id_2)
-	return id_2, err
-}
-
 const lockKeyNowait = `-- name: LockKeyNowait :one
 SELECT expires_at FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
@@ -752,6 +775,21 @@ func (q *Queries) LockKeyNowait(ctx context.Context, arg LockKeyNowaitParams) (p
 	var expires_at pgtype.Timestamptz
 	err := row.Scan(&expires_at)
 	return expires_at, err
+}
+
+const markDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = $1 AND replayed_at IS NULL
+`
+
+// Runs in the replay's transaction, first: the row lock serializes concurrent
+// replays of one dead letter, and a replayed one is not replayed again.
+func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, markDeadLetterReplayed, id)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
@@ -909,6 +947,23 @@ func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const recordDeadLetterFailure = `-- name: RecordDeadLetterFailure :exec
+UPDATE idem_dead_letters SET attempts = attempts + $1, last_error = $2
+WHERE id = $3 AND replayed_at IS NULL
+`
+
+type RecordDeadLetterFailureParams struct {
+	Attempts  int32
+	LastError string
+	ID        int64
+}
+
+// A replay that failed again: the dead letter stays, with the new error.
+func (q *Queries) RecordDeadLetterFailure(ctx context.Context, arg RecordDeadLetterFailureParams) error {
+	_, err := q.db.Exec(ctx, recordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
+	return err
 }
 
 const relayLeader = `-- name: RelayLeader :many
