@@ -197,7 +197,10 @@ func relay(ctx context.Context) error {
 			return err
 		}
 		defer pub.Close()
-		r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+		r, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }})
+		if err != nil {
+			return err
+		}
 		return r.Run(ctx)
 	})
 }

@@ -3,6 +3,7 @@ package kafka
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -40,13 +41,25 @@ func NewPublisher(brokers []string, opts ...kgo.Opt) (*Publisher, error) {
 // Close closes the client.
 func (p *Publisher) Close() { p.Client.Close() }
 
-// Publish produces every message at once, in order, and waits for all acks.
-// Each record carries the message's headers (among them idem-event-id) and
-// its key. Errors that retrying cannot fix are marked permanent.
+// Publish produces every message at once, in order, and waits for all acks,
+// or for ctx: when ctx ends first, every message not yet acked fails with
+// ctx's error and Publish returns at once (franz-go keeps a request already
+// sent until the broker answers or the connection dies, so an outage cannot
+// hold Publish past the relay's PublishTimeout). Such a message may still
+// land later: a duplicate, which consumers skip by event id. Each record
+// carries the message's headers (among them idem-event-id) and its key.
+// Errors that retrying cannot fix are marked permanent.
 func (p *Publisher) Publish(ctx context.Context, msgs []idem.Message) []error {
-	errs := make([]error, len(msgs))
-	var wg sync.WaitGroup
-	wg.Add(len(msgs))
+	var (
+		mu      sync.Mutex
+		errs    = make([]error, len(msgs))
+		done    = make([]bool, len(msgs))
+		pending = len(msgs)
+		all     = make(chan struct{})
+	)
+	if pending == 0 {
+		return errs
+	}
 	for i, m := range msgs {
 		rec := &kgo.Record{Topic: m.Topic, Key: m.Key, Value: m.Value}
 		for _, k := range slices.Sorted(maps.Keys(m.Headers)) {
@@ -56,14 +69,38 @@ func (p *Publisher) Publish(ctx context.Context, msgs []idem.Message) []error {
 			if err != nil && isPermanent(err) {
 				err = idem.Permanent(err)
 			}
-			errs[i] = err
-			wg.Done()
+			mu.Lock()
+			defer mu.Unlock()
+			if done[i] {
+				return // Publish already returned: the answer came too late
+			}
+			errs[i], done[i] = err, true
+			if pending--; pending == 0 {
+				close(all)
+			}
 		})
 	}
-	wg.Wait()
-	return errs
+	select {
+	case <-all:
+	case <-ctx.Done():
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	out := make([]error, len(msgs))
+	for i := range msgs {
+		if !done[i] {
+			done[i] = true
+			errs[i] = fmt.Errorf("not acked before the publish deadline: %w", context.Cause(ctx))
+		}
+		out[i] = errs[i]
+	}
+	return out
 }
 
+// isPermanent reports errors that retrying the same record cannot fix. A
+// broker restart's UNKNOWN_TOPIC_ID or UNKNOWN_TOPIC_OR_PARTITION,
+// NOT_LEADER_FOR_PARTITION, timeouts and transport errors are all transient.
 func isPermanent(err error) bool {
-	return errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.InvalidRecord) || errors.Is(err, kerr.RecordListTooLarge)
+	return errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.InvalidRecord) ||
+		errors.Is(err, kerr.RecordListTooLarge) || errors.Is(err, kerr.InvalidTopicException)
 }
