@@ -537,18 +537,23 @@ func outcome(msgs []Message, errs []error) batchOutcome {
 // recordUntilDone records a batch's outcome, retrying with backoff (each try
 // a fresh bounded context) while the database does not answer. The leader
 // claims nothing more until the outcome is recorded: rows left PUBLISHING
-// while newer rows went out would break per-key order. It gives up only
-// when the term ends; the next leader (maybe this relay again) resets the
-// rows, and republishing them is a duplicate consumers skip.
+// while newer rows went out would break per-key order. It gives up when the
+// term ends or after a whole Lease of failures (which also bounds a
+// shutdown); the term then ends, and the next leader (maybe this relay
+// again) resets the rows: republishing them is a duplicate consumers skip.
 func (r *Relay) recordUntilDone(t *term, out batchOutcome, log *slog.Logger) error {
 	var bo backoff
+	giveUp := time.Now().Add(r.cfg.Lease)
 	for {
-		err := r.record(t.token, out, log)
+		err := r.record(t.token, &out, log)
 		if err == nil || errors.Is(err, errLeaseLost) {
 			return err
 		}
 		if t.ctx.Err() != nil {
 			return fmt.Errorf("%w (the batch's outcome could not be recorded: %v)", leaseCause(t), err)
+		}
+		if time.Now().After(giveUp) {
+			return fmt.Errorf("the batch's outcome could not be recorded for %v; stepping down: %w", r.cfg.Lease, err)
 		}
 		wait := bo.next(50*time.Millisecond, min(r.cfg.MaxBackoff, r.cfg.Lease/3))
 		log.Warn("recording the batch outcome failed; retrying", "err", err, "retry_in", wait)
@@ -563,7 +568,7 @@ func (r *Relay) recordUntilDone(t *term, out batchOutcome, log *slog.Logger) err
 // in one statement with its own fresh bounded context, and only while token
 // is the lease's token and still holds the rows' claim. A refused mark
 // (fewer rows than sent) means the lease was taken over: errLeaseLost.
-func (r *Relay) record(token string, out batchOutcome, log *slog.Logger) error {
+func (r *Relay) record(token string, out *batchOutcome, log *slog.Logger) error {
 	tok := pgtype.Text{String: token, Valid: true}
 	q := db.New(r.store.pool)
 	if len(out.acked) > 0 {

@@ -192,7 +192,9 @@ func brokerDownThenBack(t *testing.T, empty bool) {
 	broker.stop()
 	add(9)
 	// Far more failed batches than MaxAttempts: the old relay parked here.
-	waitUntil(t, "failed batches while the broker is down", func() bool { return pub.deadBatches() >= 3*maxAttempts+2 })
+	waitUntil(t, "failed batches while the broker is down", func() bool {
+		return pub.deadBatches() >= 3*maxAttempts+2 || statusCounts(t, pool)["PARKED"] > 0
+	})
 	if n := count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status <> 'PUBLISHED' AND coalesce(last_error, '') = ''`); n != 0 {
 		t.Errorf("%d failing rows have no last_error", n)
 	}
