@@ -221,7 +221,7 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 	defer pub.Close()
 	relay, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = consumer.Run(ctx) }()
