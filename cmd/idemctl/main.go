@@ -207,11 +207,14 @@ func (c *cli) outboxStatus(args []string) error {
 	} else {
 		c.printf("oldest pending: %s (age %s)\n", st.OldestPending.UTC().Format(time.RFC3339), st.OldestPendingAge.Round(time.Second))
 	}
-	if st.Leader == nil {
-		c.printf("relay leader: none (no relay holds the leader lock)\n")
-	} else {
-		c.printf("relay leader: pid %d from %s (application %q), session since %s\n", st.Leader.PID, st.Leader.ClientAddr,
-			st.Leader.ApplicationName, st.Leader.Since.UTC().Format(time.RFC3339))
+	switch l := st.Leader; {
+	case l == nil:
+		c.printf("relay leader: none (no relay has led yet)\n")
+	case l.Live:
+		c.printf("relay leader: %s (lease %s, acquired %s, expires in %s)\n", escape([]byte(l.Holder)), escape([]byte(l.Name)),
+			l.AcquiredAt.UTC().Format(time.RFC3339), l.Remaining.Round(time.Second))
+	default:
+		c.printf("relay leader: none live (last: %s, lease expired %s)\n", escape([]byte(l.Holder)), l.ExpiresAt.UTC().Format(time.RFC3339))
 	}
 	return nil
 }
@@ -256,8 +259,8 @@ func (c *cli) outboxRequeue(args []string) error {
 	if !*all && *id == 0 && *topic == "" {
 		return usageError("say which rows: --all, --id N or --topic T")
 	}
-	if *all && (*id != 0 || *topic != "") {
-		return usageError("--all cannot be combined with --id or --topic")
+	if (*all && (*id != 0 || *topic != "")) || (*id != 0 && *topic != "") {
+		return usageError("choose one of --all, --id N and --topic T")
 	}
 	a, err := c.admin()
 	if err != nil {

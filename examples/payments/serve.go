@@ -217,6 +217,10 @@ func newRelay(ctx context.Context, pool *pgxpool.Pool, brokers []string, chk kaf
 		return nil, nil, fmt.Errorf("relay: %w", err)
 	}
 	slog.Info("payments relay standing by for leadership", "topics", relayTopics)
-	r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+	r, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }})
+	if err != nil {
+		pub.Close()
+		return nil, nil, err
+	}
 	return r, pub.Close, nil
 }

@@ -51,20 +51,21 @@ type OutboxStatus struct {
 	// lag.
 	OldestPending    time.Time
 	OldestPendingAge time.Duration
-	// Leader is the session holding the relay's leadership lock, or nil if no
-	// relay is active.
+	// Leader is the relay's leadership lease, or nil if no relay ever led.
 	Leader *RelayLeader
 }
 
-// RelayLeader identifies the database session of the active relay. The
-// relay elects itself with a session-level advisory lock (there is no lease
-// row), so this is the lock holder as pg_locks reports it.
+// RelayLeader is the relay's leadership lease (idem_relay_leader): which
+// relay holds it and until when. Live is false when the lease has expired
+// (the leader is gone or stuck, and a standby may take over).
 type RelayLeader struct {
-	PID             int32
-	ClientAddr      string
-	ApplicationName string
-	// Since is when the leader's session started (it has led at most that long).
-	Since time.Time
+	Name       string
+	Holder     string
+	AcquiredAt time.Time
+	ExpiresAt  time.Time
+	Live       bool
+	// Remaining is how long the lease still runs, on the database's clock.
+	Remaining time.Duration
 }
 
 // OutboxStatus returns per-state counts, read from the outbox's partial
@@ -86,7 +87,8 @@ func (a *Admin) OutboxStatus(ctx context.Context) (OutboxStatus, error) {
 	}
 	if len(leaders) > 0 {
 		l := leaders[0]
-		st.Leader = &RelayLeader{PID: l.Pid.Int32, ClientAddr: l.ClientAddr, ApplicationName: l.ApplicationName.String, Since: l.BackendStart.Time}
+		st.Leader = &RelayLeader{Name: l.Name, Holder: l.Holder, AcquiredAt: l.AcquiredAt.Time, ExpiresAt: l.ExpiresAt.Time,
+			Live: l.Live, Remaining: time.Duration(l.RemainingSeconds * float64(time.Second))}
 	}
 	return st, nil
 }
@@ -127,22 +129,22 @@ func (a *Admin) ParkedEvents(ctx context.Context, f OutboxFilter, limit int) ([]
 }
 
 // RequeueParked returns the PARKED rows matching f to PENDING with a fresh
-// attempt budget and wakes the relay; it returns how many. Their event ids
-// are unchanged, so a consumer that did receive an earlier attempt skips it.
+// attempt budget and wakes the relay (idem.Store's RequeueParked*); it
+// returns how many. Their event ids are unchanged, so a consumer that did
+// receive an earlier attempt skips it.
 func (a *Admin) RequeueParked(ctx context.Context, f OutboxFilter) (int64, error) {
-	id, topic := f.params()
 	var n int64
-	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
-		q := db.New(tx)
-		var err error
-		if n, err = q.RequeueParkedOutbox(ctx, db.RequeueParkedOutboxParams{ID: id, Topic: topic}); err != nil {
-			return err
-		}
-		if n > 0 {
-			return q.NotifyOutbox(ctx) // delivered at commit
-		}
-		return nil
-	})
+	var err error
+	switch {
+	case f.ID != 0 && f.Topic != "":
+		return 0, errors.New("requeue parked outbox rows: select by id or by topic, not both")
+	case f.ID != 0:
+		n, err = a.store.RequeueParked(ctx, f.ID)
+	case f.Topic != "":
+		n, err = a.store.RequeueParkedTopic(ctx, f.Topic)
+	default:
+		n, err = a.store.RequeueAllParked(ctx)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("requeue parked outbox rows: %w", err)
 	}
