@@ -425,7 +425,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	}
 	defer release()
 	poll := pollMin
-	for {
+	for polled := false; ; polled = true {
 		out, err := h.attempt(ctx, ep, in, stored, deadline, call)
 		switch {
 		case errors.Is(err, errElsewhere):
@@ -433,6 +433,9 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 				return nil, errInFlight
 			}
 		case errors.Is(err, errRetryClaim):
+		case polled && errors.Is(err, errBusy) && !time.Now().Before(deadline):
+			// The wait ran out during a poll for a key in flight elsewhere.
+			return nil, errInFlight
 		default:
 			return out, err
 		}
@@ -656,14 +659,14 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	case errors.Is(err, errFingerprint):
 		return &Error{Status: http.StatusUnprocessableEntity, Title: "Idempotency key reused",
 			Detail: "this idempotency key was used with a different request"}
+	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
+		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
+		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
+			Detail: "the database was busy (no connection or a lock within the wait); nothing was done, retry later"}
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		// The client is gone or the server is shutting down; the transaction
 		// rolled back, so a retry is safe.
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "request cancelled; nothing was done", Err: err}
-	case errors.Is(err, errBusy):
-		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
-		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
-			Detail: "the database was busy (no connection or a lock within the wait); nothing was done, retry later"}
 	case errors.Is(err, errStorage):
 		h.logger.ErrorContext(r.Context(), "idempotency storage failed", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "storage unavailable; nothing was done, retry later", Err: err, RetryAfter: time.Second}
