@@ -78,7 +78,7 @@ var (
 // startChild runs `payments serve` on a free port with extra env.
 func startChild(t *testing.T, dbURL string, env ...string) *child {
 	t.Helper()
-	return startProcess(t, "serve", listening, append([]string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0"}, env...)...)
+	return startProcess(t, "serve", listening, append([]string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0", "NOT_READY_DELAY=0"}, env...)...)
 }
 
 // startProcess runs `payments <subcmd>` and waits for a stderr line matching
