@@ -212,7 +212,7 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 	cfg := kafka.ConsumerConfig{
 		Brokers:    brokers,
 		Group:      "payments",
-		Handlers:  IdemConsumers(&Billing{}, &Notifications{}),
+		Handlers:   IdemConsumers(&Billing{}, &Notifications{}),
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
 	}
 	// Tests shorten the session timeout so a killed member's partitions move

@@ -141,7 +141,10 @@ func TestReplicasStartTogether(t *testing.T) {
 			wg.Add(1)
 			// SIGTERM after it has had time to start: a clean start-up then
 			// exits 0; a failed one exits 1 on its own.
-			go func() { defer wg.Done(); results[i] = runUntilExit(t, 60*time.Second, 3*time.Second, "DATABASE_URL="+url) }()
+			go func() {
+				defer wg.Done()
+				results[i] = runUntilExit(t, 60*time.Second, 3*time.Second, "DATABASE_URL="+url)
+			}()
 		}
 		wg.Wait()
 		for i, r := range results {
