@@ -550,3 +550,29 @@ func TestReplayHeadersDefaultAndNone(t *testing.T) {
 		}
 	}
 }
+
+// Issue 9.4: with NoWait, concurrent replays of a completed key are
+// replays, not 409s: only a key really in flight is a conflict. This guards
+// the per-key turn of this process (a NoWait request that finds the turn
+// taken must ask the database, not assume the key is in flight).
+func TestNoWaitConcurrentReplaysAreNot409(t *testing.T) {
+	e := newEnv(t)
+	url := serveReal(t, e.handler(idem.Endpoint{NoWait: true})) + "/charges"
+	first := send(t, url, "k-hot", body1)
+	if first.status != http.StatusCreated {
+		t.Fatal(first.status)
+	}
+	const n = 32
+	results := make([]result, n)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func() { defer wg.Done(); results[i] = send(t, url, "k-hot", body1) }()
+	}
+	wg.Wait()
+	for i, r := range results {
+		if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" || !bytes.Equal(r.body, first.body) {
+			t.Fatalf("replay %d: %d %s", i, r.status, r.body)
+		}
+	}
+}

@@ -22,9 +22,11 @@ type flight struct {
 	users int           // holders and waiters, guarded by flights.mu
 }
 
-// wait takes key's turn, waiting until deadline (or not at all, with
-// noWait). It returns errInFlight when another request of this process
-// still holds the turn then, or ctx's error.
+// wait takes key's turn, waiting until deadline. It returns errInFlight
+// when another request of this process still holds the turn then, or ctx's
+// error. With noWait it never waits: it returns at once, with or without the
+// turn (a request that does not wait holds a connection only for one
+// attempt, so it needs no turn).
 func (f *flights) wait(ctx context.Context, key Key, deadline time.Time, noWait bool) (release func(), err error) {
 	f.mu.Lock()
 	if f.m == nil {
@@ -52,8 +54,10 @@ func (f *flights) wait(ctx context.Context, key Key, deadline time.Time, noWait 
 	default:
 	}
 	if noWait {
+		// Not waiting for the turn: one attempt without it tells whether
+		// the holder is really running the key (409) or only replaying it.
 		leave()
-		return nil, errInFlight
+		return func() {}, nil
 	}
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()

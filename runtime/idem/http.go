@@ -564,6 +564,11 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			StatusCode: int32(out.status), Headers: headers, Body: body,
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		}); err != nil {
+			if c := pgCode(err); strings.HasPrefix(c, "22") || c == "54000" {
+				// PostgreSQL refused a header the function set: its bug (500),
+				// not a storage failure to retry forever.
+				return nil, fmt.Errorf("store response headers: %w", err)
+			}
 			return nil, storageErr(ctx, "store response", err)
 		}
 	}
