@@ -3,6 +3,7 @@
 //
 //	go run ./examples/payments            run the demo: start the service, play a client that retries, check the database
 //	go run ./examples/payments serve      serve on $ADDR (default 127.0.0.1:8080) until SIGTERM
+//	go run ./examples/payments provider   the payment provider on $PROVIDER_ADDR (default 127.0.0.1:8081); serve calls $PROVIDER_URL
 //
 // On SIGTERM, serve turns /readyz to 503 for $NOT_READY_DELAY (default 5s),
 // then drains requests for $DRAIN_TIMEOUT (default 10s), then cancels the
@@ -56,8 +57,10 @@ func main() {
 		err = consume(ctx)
 	case "relay":
 		err = relay(ctx)
+	case "provider":
+		err = runProvider(ctx)
 	default:
-		err = fmt.Errorf("unknown command %q (want demo, serve, consume or relay)", cmd)
+		err = fmt.Errorf("unknown command %q (want demo, serve, consume, relay or provider)", cmd)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
@@ -70,15 +73,11 @@ func main() {
 // never answers or fails the schema is a clear error within that bound, and
 // SIGTERM (ctx) ends it at once.
 func open(ctx context.Context) (*pgxpool.Pool, error) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = defaultDatabaseURL
-	}
 	timeout, err := envDuration("STARTUP_TIMEOUT", 15*time.Second)
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := pgxpool.ParseConfig(url)
+	cfg, err := pgxpool.ParseConfig(databaseURL())
 	if err != nil {
 		return nil, fmt.Errorf("DATABASE_URL: %w", err)
 	}
