@@ -91,7 +91,9 @@ func childServe() error {
 		return err
 	}
 	fmt.Printf("listening %s\n", ln.Addr())
-	return idem.ServeHTTP(ctx, &http.Server{Handler: mux}, ln, idem.ServeConfig{Ready: ready, NotReadyDelay: delay, Drain: 2 * time.Second})
+	// NOT_READY_DELAY=0 is the old behaviour (readiness and listener close
+	// together), for checking that the readiness test fails without the delay.
+	return idem.ServeHTTP(ctx, &http.Server{Handler: mux}, ln, idem.ServeConfig{Ready: ready, NotReadyDelay: delay, NoNotReadyDelay: delay == 0, Drain: 2 * time.Second})
 }
 
 type childProc struct {
@@ -224,7 +226,11 @@ func TestReadinessFailsBeforeListenerCloses(t *testing.T) {
 	if err := idem.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
-	c := startChildProc(t, "serve", "DATABASE_URL="+dbURL, "NOT_READY_DELAY=1500ms")
+	delay := "1500ms"
+	if d := os.Getenv("IDEM_TEST_NOT_READY_DELAY"); d != "" {
+		delay = d // 0: the old behaviour, which this test must fail
+	}
+	c := startChildProc(t, "serve", "DATABASE_URL="+dbURL, "NOT_READY_DELAY="+delay)
 	base := "http://" + c.addr
 	// A probe as an orchestrator sends it: a new connection each time.
 	probeClient := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
