@@ -15,6 +15,9 @@ import (
 type flights struct {
 	mu sync.Mutex
 	m  map[Key]*flight
+	// waited, if set, is told about each request that has to wait for its
+	// key's turn (the idem.http.key_waits counter).
+	waited func(context.Context)
 }
 
 type flight struct {
@@ -58,6 +61,9 @@ func (f *flights) wait(ctx context.Context, key Key, deadline time.Time, noWait 
 		// the holder is really running the key (409) or only replaying it.
 		leave()
 		return func() {}, nil
+	}
+	if f.waited != nil {
+		f.waited(ctx)
 	}
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
