@@ -37,7 +37,10 @@ Commands:
 Environment:
   DATABASE_URL          PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres)
   ADDR                  serve: HTTP listen address (default 127.0.0.1:8080; port 0 picks one)
-  DRAIN_TIMEOUT         serve: on SIGTERM, how long in-flight requests may finish (default 10s)
+  STARTUP_TIMEOUT       start-up (schema included) must finish within it, or exit 1 (default 15s)
+  NOT_READY_DELAY       serve: on SIGTERM, /readyz answers 503 this long before the listener
+                        closes, so load balancers stop sending traffic (default 5s; 0: none)
+  DRAIN_TIMEOUT         serve: then, how long in-flight requests may finish (default 10s)
   PROVIDER_URL          serve, consume: the payment provider (default http://127.0.0.1:8081)
   PROVIDER_ADDR         provider: its listen address (default 127.0.0.1:8081)
   KAFKA_BROKERS         comma-separated seed brokers; serve: empty starts an embedded broker;

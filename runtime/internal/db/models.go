@@ -69,3 +69,9 @@ type IdemRelayLeader struct {
 	AcquiredAt pgtype.Timestamptz
 	ExpiresAt  pgtype.Timestamptz
 }
+
+type IdemSchemaVersion struct {
+	Singleton bool
+	Digest    string
+	AppliedAt pgtype.Timestamptz
+}
