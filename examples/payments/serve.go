@@ -90,16 +90,18 @@ func serve(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	brokers, stopBroker, err := brokersOrEmbedded()
-	if err != nil {
-		return err
-	}
-	defer stopBroker()
+	// The database first: its start-up errors (and STARTUP_TIMEOUT) come
+	// before anything binds a port.
 	pool, err := open(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
+	brokers, stopBroker, err := brokersOrEmbedded()
+	if err != nil {
+		return err
+	}
+	defer stopBroker()
 
 	// Everything is set up and checked before anything runs, so a missing
 	// topic fails start-up with its name instead of a silent consumer.
