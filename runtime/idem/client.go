@@ -137,6 +137,15 @@ type transport struct {
 	cfg  ClientConfig
 }
 
+// CloseIdleConnections closes the base transport's idle connections, if it
+// has any to close, so http.Client.CloseIdleConnections reaches them (the
+// client only asks its own Transport).
+func (t *transport) CloseIdleConnections() {
+	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
 // unsafeMethod reports whether method may change state at the server, so a retry
 // needs a key to be safe.
 func unsafeMethod(method string) bool {

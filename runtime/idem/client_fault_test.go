@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"testing"
 	"time"
@@ -196,5 +197,27 @@ func TestClientKeyForAnyCallName(t *testing.T) {
 			t.Fatalf("name %.20q: key %q; want its own 32 hex characters", names[i], h.key)
 		}
 		seen[h.key] = true
+	}
+}
+
+// http.Client.CloseIdleConnections asks only its own Transport: the idem
+// transport passes it on to the base, or the base's idle connections could
+// not be closed through NewClient's client (the payments demo relies on it
+// to lose a provider answer on a fresh connection).
+func TestClientCloseIdleConnectionsReachesBase(t *testing.T) {
+	rec := newRecorder(t, status())
+	base := &http.Transport{}
+	c := NewClient(base, fast)
+	var reused []bool
+	for range 2 {
+		trace := &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = append(reused, i.Reused) }}
+		ctx := httptrace.WithClientTrace(WithCallName(opContext(context.Background(), opKey), "charge"), trace)
+		if resp, err := post(t, ctx, c, rec.srv.URL, "{}"); err != nil || resp.StatusCode != http.StatusCreated {
+			t.Fatalf("%v %v", resp, err)
+		}
+		c.CloseIdleConnections()
+	}
+	if len(reused) != 2 || reused[1] {
+		t.Fatalf("connections reused: %v; want a fresh connection after CloseIdleConnections", reused)
 	}
 }
