@@ -1,8 +1,10 @@
 package idem
 
 import (
+	"bufio"
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -219,5 +221,53 @@ func TestClientCloseIdleConnectionsReachesBase(t *testing.T) {
 	}
 	if len(reused) != 2 || reused[1] {
 		t.Fatalf("connections reused: %v; want a fresh connection after CloseIdleConnections", reused)
+	}
+}
+
+// The server reads half of a replayable body and resets the connection: the
+// retry replays the whole body (GetBody) with the same key.
+func TestClientBodyCutHalfwayIsReplayedWhole(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	body := strings.Repeat("x", 1<<20)
+	type got struct {
+		key  string
+		body int
+	}
+	second := make(chan got, 1)
+	go func() {
+		for n := 1; ; n++ {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			req, err := http.ReadRequest(bufio.NewReader(conn))
+			if err != nil {
+				conn.Close()
+				continue
+			}
+			if n == 1 {
+				_, _ = io.CopyN(io.Discard, req.Body, int64(len(body)/2))
+				_ = conn.(*net.TCPConn).SetLinger(0) // RST, not FIN
+				conn.Close()
+				continue
+			}
+			b, _ := io.ReadAll(req.Body)
+			second <- got{req.Header.Get("Idempotency-Key"), len(b)}
+			_, _ = io.WriteString(conn, "HTTP/1.1 201 Created\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+			conn.Close()
+		}
+	}()
+	ctx := WithCallName(opContext(context.Background(), opKey), "charge")
+	resp, err := post(t, ctx, NewClient(nil, fast), "http://"+ln.Addr().String(), body)
+	if err != nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("got %v %v, want the retry's 201", resp, err)
+	}
+	g := <-second
+	if g.key != opKey.Derive("charge") || g.body != len(body) {
+		t.Fatalf("retry carried key %q and %d body bytes; want the call's key and all %d", g.key, g.body, len(body))
 	}
 }
