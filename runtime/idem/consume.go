@@ -371,14 +371,23 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	return outcome, nil
 }
 
+// commitGrace is how long a COMMIT already sent may still take after the
+// context is cancelled.
+const commitGrace = time.Second
+
 // commit commits tx. Once the decision to commit is taken, a cancellation
-// (shutdown, a rebalance waiting) no longer interrupts it: cancelling a
-// COMMIT in flight leaves its outcome unknown to us (it may have committed on
-// the server), which costs a redelivery and reports an applied record as a
-// duplicate. StorageTimeout still bounds it.
+// (shutdown, a rebalance waiting) does not interrupt it at once: cancelling
+// a COMMIT in flight leaves its outcome unknown to us (it may have committed
+// on the server), which costs a redelivery and reports an applied record as a
+// duplicate. A healthy database answers well within commitGrace; one that
+// does not (blackholed) must not hold a shutdown for StorageTimeout, so the
+// COMMIT is abandoned commitGrace after the cancellation — safe either way,
+// the offset is not marked and a redelivery is deduplicated.
 func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.StorageTimeout)
 	defer cancel()
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(commitGrace, cancel) })
+	defer stop()
 	if err := tx.Commit(cctx); err != nil {
 		return &storageError{op: "commit", err: err}
 	}
