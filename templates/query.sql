@@ -93,9 +93,30 @@ ON CONFLICT (context, event_id) DO NOTHING
 RETURNING event_id;
 
 -- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @headers, @attempts, @last_error)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING;
+-- A conflict is the same record (same bytes, same position) delivered again
+-- after a crash between the dead-letter commit and the offset commit.
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @header_keys::bytea[], @header_values::bytea[],
+        @record_digest, @attempts, @last_error)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING;
+
+-- name: GetDeadLetter :one
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
+FROM idem_dead_letters
+WHERE id = @id;
+
+-- name: MarkDeadLetterReplayed :execrows
+-- Runs in the replay's transaction, first: the row lock serializes concurrent
+-- replays of one dead letter, and a replayed one is not replayed again.
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = @id AND replayed_at IS NULL;
+
+-- name: RecordDeadLetterFailure :exec
+-- A replay that failed again: the dead letter stays, with the new error.
+UPDATE idem_dead_letters SET attempts = attempts + @attempts, last_error = @last_error
+WHERE id = @id AND replayed_at IS NULL;
 
 -- name: DeleteProcessedEventsBefore :execrows
 DELETE FROM idem_processed_events

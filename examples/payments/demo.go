@@ -218,7 +218,7 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 		return nil, err
 	}
 	cfg.Group = "payments-demo-" + run
-	consumer, err := kafka.NewConsumer(pool, cfg)
+	consumer, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		return nil, err
 	}

@@ -246,12 +246,12 @@ func consume(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c, err := kafka.NewConsumer(pool, cfg)
+		cfg.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
+			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+		}
+		c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 		if err != nil {
 			return err
-		}
-		c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
 		}
 		slog.Info("payments consuming", "brokers", brokers)
 		return c.Run(ctx)

@@ -245,6 +245,50 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 	return err
 }
 
+const getDeadLetter = `-- name: GetDeadLetter :one
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
+FROM idem_dead_letters
+WHERE id = $1
+`
+
+type GetDeadLetterRow struct {
+	ID           int64
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	Attempts     int32
+	LastError    string
+	CreatedAt    pgtype.Timestamptz
+	ReplayedAt   pgtype.Timestamptz
+}
+
+func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (GetDeadLetterRow, error) {
+	row := q.db.QueryRow(ctx, getDeadLetter, id)
+	var i GetDeadLetterRow
+	err := row.Scan(
+		&i.ID,
+		&i.Context,
+		&i.Topic,
+		&i.Kpartition,
+		&i.Koffset,
+		&i.RecordKey,
+		&i.Value,
+		&i.HeaderKeys,
+		&i.HeaderValues,
+		&i.Attempts,
+		&i.LastError,
+		&i.CreatedAt,
+		&i.ReplayedAt,
+	)
+	return i, err
+}
+
 const getKey = `-- name: GetKey :one
 SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
@@ -293,23 +337,29 @@ func (q *Queries) GetSchemaVersion(ctx context.Context) (string, error) {
 }
 
 const insertDeadLetter = `-- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES ($1, $2, $3, $4, $5, $6, $7::bytea[], $8::bytea[],
+        $9, $10, $11)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING
 `
 
 type InsertDeadLetterParams struct {
-	Context    string
-	Topic      string
-	Kpartition int32
-	Koffset    int64
-	RecordKey  []byte
-	Value      []byte
-	Headers    []byte
-	Attempts   int32
-	LastError  string
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	RecordDigest []byte
+	Attempts     int32
+	LastError    string
 }
 
+// A conflict is the same record (same bytes, same position) delivered again
+// after a crash between the dead-letter commit and the offset commit.
 func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
 	_, err := q.db.Exec(ctx, insertDeadLetter,
 		arg.Context,
@@ -318,7 +368,9 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 		arg.Koffset,
 		arg.RecordKey,
 		arg.Value,
-		arg.Headers,
+		arg.HeaderKeys,
+		arg.HeaderValues,
+		arg.RecordDigest,
 		arg.Attempts,
 		arg.LastError,
 	)
@@ -405,6 +457,21 @@ LISTEN idem_outbox
 func (q *Queries) ListenOutbox(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, listenOutbox)
 	return err
+}
+
+const markDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = $1 AND replayed_at IS NULL
+`
+
+// Runs in the replay's transaction, first: the row lock serializes concurrent
+// replays of one dead letter, and a replayed one is not replayed again.
+func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, markDeadLetterReplayed, id)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
@@ -516,6 +583,23 @@ func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const recordDeadLetterFailure = `-- name: RecordDeadLetterFailure :exec
+UPDATE idem_dead_letters SET attempts = attempts + $1, last_error = $2
+WHERE id = $3 AND replayed_at IS NULL
+`
+
+type RecordDeadLetterFailureParams struct {
+	Attempts  int32
+	LastError string
+	ID        int64
+}
+
+// A replay that failed again: the dead letter stays, with the new error.
+func (q *Queries) RecordDeadLetterFailure(ctx context.Context, arg RecordDeadLetterFailureParams) error {
+	_, err := q.db.Exec(ctx, recordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
+	return err
 }
 
 const resetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
