@@ -10,7 +10,7 @@ import (
 
 type Pool struct{}
 
-func (p *Pool) Begin(ctx context.Context) (pgx.Tx, error) { return nil, nil }
+func (p *Pool) Begin(ctx context.Context) (pgx.Tx, error)                    { return nil, nil }
 func (p *Pool) BeginTx(ctx context.Context, o pgx.TxOptions) (pgx.Tx, error) { return nil, nil }
 func (p *Pool) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	return pgconn.CommandTag{}, nil

@@ -16,9 +16,9 @@ func (f Fetches) Records() []*Record { return nil }
 
 type Client struct{}
 
-func (c *Client) PollFetches(ctx context.Context) Fetches                    { return nil }
-func (c *Client) CommitRecords(ctx context.Context, rs ...*Record) error     { return nil }
-func (c *Client) CommitUncommittedOffsets(ctx context.Context) error         { return nil }
-func (c *Client) CommitMarkedOffsets(ctx context.Context) error              { return nil }
-func (c *Client) MarkCommitRecords(rs ...*Record)                            {}
-func (c *Client) MarkCommitOffsets(m map[string]map[int32]int64)             {}
+func (c *Client) PollFetches(ctx context.Context) Fetches                { return nil }
+func (c *Client) CommitRecords(ctx context.Context, rs ...*Record) error { return nil }
+func (c *Client) CommitUncommittedOffsets(ctx context.Context) error     { return nil }
+func (c *Client) CommitMarkedOffsets(ctx context.Context) error          { return nil }
+func (c *Client) MarkCommitRecords(rs ...*Record)                        {}
+func (c *Client) MarkCommitOffsets(m map[string]map[int32]int64)         {}
