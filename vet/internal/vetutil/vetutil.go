@@ -208,11 +208,19 @@ func ParseIgnore(text string) (check, reason string, ok bool) {
 
 // Report reports msg at node unless the check is silenced on node's line.
 func (r *Reporter) Report(node ast.Node, msg string, fixes ...analysis.SuggestedFix) {
-	if tf := r.Pass.Fset.File(node.Pos()); tf != nil && r.ignored[tf][tf.Line(node.Pos())] {
+	r.ReportAt(node.Pos(), node.End(), msg, fixes...)
+}
+
+// ReportAt reports msg at pos unless the check is silenced on pos's line.
+func (r *Reporter) ReportAt(pos, end token.Pos, msg string, fixes ...analysis.SuggestedFix) {
+	if tf := r.Pass.Fset.File(pos); tf != nil && r.ignored[tf][tf.Line(pos)] {
 		return
 	}
-	r.Pass.Report(analysis.Diagnostic{Pos: node.Pos(), End: node.End(), Message: msg, SuggestedFixes: fixes})
+	r.Pass.Report(analysis.Diagnostic{Pos: pos, End: end, Message: msg, SuggestedFixes: fixes})
 }
+
+// Checks names every idemgen vet analyzer, as //idemvet:ignore accepts them.
+var Checks = []string{"retrykey", "swallowcancel", "offsetcommit", "txescape", "directive"}
 
 // FuncBodies calls fn for every function body in the pass's files: each
 // declared function and each function literal, with the declaration's doc
