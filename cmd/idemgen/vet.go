@@ -52,6 +52,13 @@ func runVet(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "idemgen vet:", err)
 		return exitError
 	}
+	if len(pkgs) == 0 {
+		// The go command answers some patterns (a wildcard over a module
+		// whose dependencies are missing) with no packages and no error:
+		// checking nothing must not pass.
+		fmt.Fprintf(stderr, "idemgen vet: no packages match %s\n", strings.Join(patterns, " "))
+		return exitError
+	}
 	broken := false
 	packages.Visit(pkgs, nil, func(p *packages.Package) {
 		for _, e := range p.Errors {

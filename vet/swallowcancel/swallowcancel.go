@@ -289,11 +289,27 @@ func checkDropped(pass *analysis.Pass, r *vetutil.Reporter, body *ast.BlockStmt)
 				return true
 			}
 			if call, ok := ast.Unparen(n.Rhs[0]).(*ast.CallExpr); ok {
-				if id, ok := n.Lhs[len(n.Lhs)-1].(*ast.Ident); ok && id.Name == "_" {
+				if id, ok := n.Lhs[len(n.Lhs)-1].(*ast.Ident); ok && id.Name == "_" && !rowsCarryError(info, call, n.Lhs) {
 					report(call)
 				}
 			}
 		}
 		return true
 	})
+}
+
+// rowsCarryError reports whether call is pgx's Query with its rows kept:
+// pgx.Rows carries the query's error (rows.Err() after the loop), so
+// rows, _ := tx.Query(...) is pgx's documented idiom, not a dropped error.
+// database/sql is not exempt: its rows are nil on error.
+func rowsCarryError(info *types.Info, call *ast.CallExpr, lhs []ast.Expr) bool {
+	f := vetutil.Callee(info, call)
+	if f == nil || f.Name() != "Query" || len(lhs) != 2 {
+		return false
+	}
+	if id, ok := lhs[0].(*ast.Ident); ok && id.Name == "_" {
+		return false
+	}
+	res := f.Type().(*types.Signature).Results()
+	return res.Len() == 2 && vetutil.Named(res.At(0).Type(), vetutil.PgxPath, "Rows")
 }

@@ -142,3 +142,11 @@ func noTx(ctx context.Context) error {
 	}
 	return nil
 }
+
+// pgx's Rows carry the query's error: rows, _ := tx.Query(...) then
+// rows.Err() is pgx's documented idiom.
+func rowsIdiom(ctx context.Context, tx pgx.Tx) {
+	rows, _ := tx.Query(ctx, "select 1")
+	rows.Close()
+	_, _ = tx.Query(ctx, "select 1") // want `error of Query on the transaction is dropped`
+}
