@@ -23,7 +23,8 @@ var Analyzer = &analysis.Analyzer{
 	Name: "retrykey",
 	Doc: `report retry loops that send unsafe HTTP requests without a stable Idempotency-Key
 
-A loop that retries POST, PUT, PATCH or DELETE (http.Client.Do, Post, PostForm)
+A loop that retries POST, PUT, PATCH or DELETE (http.Client.Do, Post, PostForm,
+a RoundTripper's RoundTrip)
 must send the same Idempotency-Key on every attempt, created once before the
 loop. A key created inside the loop, or no key at all, makes every attempt a
 new operation: a lost response followed by a retry charges twice.`,
@@ -152,7 +153,8 @@ func (c *checker) checkLoop(loop ast.Stmt) {
 		case vetutil.IsMethod(f, "net/http", "Client", "Post", "PostForm") || vetutil.IsFunc(f, "net/http", "Post") || vetutil.IsFunc(f, "net/http", "PostForm"):
 			c.reported[call.Pos()] = true
 			c.r.Report(call, fmt.Sprintf("retry loop sends POST with http %s, which cannot carry an Idempotency-Key: if a response is lost the retry runs the operation again (double charge); build the request with http.NewRequestWithContext and set an Idempotency-Key created once before the loop", f.Name()))
-		case vetutil.IsMethod(f, "net/http", "Client", "Do") && len(call.Args) == 1:
+		case (vetutil.IsMethod(f, "net/http", "Client", "Do") || vetutil.IsMethod(f, "net/http", "RoundTripper", "RoundTrip") ||
+			vetutil.IsMethod(f, "net/http", "Transport", "RoundTrip")) && len(call.Args) == 1:
 			c.checkDo(loop, call)
 		}
 		return true
@@ -179,6 +181,9 @@ func (c *checker) checkDo(loop ast.Stmt, do *ast.CallExpr) {
 	method, ok := requestMethod(info, newReq)
 	if !ok || !unsafeMethod[strings.ToUpper(method)] {
 		return
+	}
+	if c.forIdemClient(newReq) {
+		return // idem's client sets a key derived from the operation
 	}
 	sets, unknown := c.keySets(reqVar)
 	if unknown {
@@ -284,7 +289,7 @@ func (c *checker) keySets(req *types.Var) (sets []keySet, unknown bool) {
 			}
 			// req handed to another function (not Do): it may set the key.
 			f := vetutil.Callee(info, n)
-			if vetutil.IsMethod(f, "net/http", "Client", "Do") {
+			if vetutil.IsMethod(f, "net/http", "Client", "Do") || (f != nil && f.Name() == "RoundTrip") {
 				return true
 			}
 			for _, a := range n.Args {
@@ -479,4 +484,38 @@ func (c *checker) usesLoopVars(loop ast.Stmt, e ast.Expr) bool {
 		return !uses
 	})
 	return uses
+}
+
+// idemPath is the runtime package whose client (idem.NewClient) sets the
+// Idempotency-Key itself, derived from the operation and the call's name.
+const idemPath = "github.com/idemgen/idemgen/runtime/idem"
+
+// forIdemClient reports whether newReq's context comes from idem (e.g.
+// idem.WithCallName): the request is meant for idem's client, which keys
+// every attempt from the operation.
+func (c *checker) forIdemClient(newReq *ast.CallExpr) bool {
+	if !vetutil.IsFunc(vetutil.Callee(c.pass.TypesInfo, newReq), "net/http", "NewRequestWithContext") {
+		return false
+	}
+	return c.mentionsIdem(newReq.Args[0], 0)
+}
+
+func (c *checker) mentionsIdem(e ast.Expr, depth int) bool {
+	found := false
+	ast.Inspect(e, func(n ast.Node) bool {
+		id, ok := n.(*ast.Ident)
+		if !ok || found {
+			return !found
+		}
+		switch obj := c.pass.TypesInfo.Uses[id].(type) {
+		case *types.Func:
+			found = obj.Pkg() != nil && obj.Pkg().Path() == idemPath
+		case *types.Var:
+			if def := c.definition(obj); def != nil && depth < 4 {
+				found = c.mentionsIdem(def, depth+1)
+			}
+		}
+		return !found
+	})
+	return found
 }

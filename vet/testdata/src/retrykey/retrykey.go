@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 var client = &http.Client{}
@@ -167,4 +168,29 @@ func drain(ctx context.Context, next func() ([]byte, bool)) {
 			resp.Body.Close()
 		}
 	}
+}
+
+// A RoundTripper retried without a key is the same mistake.
+func roundTrip(ctx context.Context, rt http.RoundTripper) error {
+	for attempt := 0; attempt < 3; attempt++ {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://pay/charge", nil)
+		if resp, err := rt.RoundTrip(req); err == nil { // want `retry loop sends POST without an Idempotency-Key header`
+			return resp.Body.Close()
+		}
+	}
+	return fmt.Errorf("charge failed")
+}
+
+// A request for idem's client (idem.NewClient): the client sets a key derived
+// from the operation on every attempt, so a loop around it is not reported.
+func idemClient(ctx context.Context, provider *http.Client) error {
+	cctx := idem.WithCallName(ctx, "provider.charge")
+	for attempt := 0; attempt < 3; attempt++ {
+		req, _ := http.NewRequestWithContext(cctx, http.MethodPost, "http://pay/charge", nil)
+		if resp, err := provider.Do(req); err == nil {
+			return resp.Body.Close()
+		}
+		time.Sleep(time.Second)
+	}
+	return fmt.Errorf("charge failed")
 }
