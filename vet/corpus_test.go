@@ -28,7 +28,7 @@ var corpus = []struct {
 		"github.com/twmb/franz-go/pkg/kgo/...", "github.com/twmb/franz-go/pkg/kfake/...",
 		"github.com/twmb/franz-go/pkg/sasl/...", "github.com/twmb/franz-go/pkg/kversion/...",
 	}},
-	{"x/tools", ".", true, []string{"golang.org/x/tools/go/...", "golang.org/x/tools/internal/..."}},
+	{"x/tools", ".", false, []string{"golang.org/x/tools/go/...", "golang.org/x/tools/internal/..."}},
 	{"sqlc", "tools", false, []string{"github.com/sqlc-dev/sqlc/..."}},
 }
 
