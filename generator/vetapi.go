@@ -17,13 +17,19 @@ import (
 // package's non-test Go files for the build tags in use; idemgen vet (an
 // analysis pass) calls it so editors show the generator's errors.
 func CheckPackage(fset *token.FileSet, files []*ast.File, pkg *types.Package, info *types.Info) ErrorList {
+	var names []string
+	for _, f := range files {
+		names = append(names, fset.Position(f.Package).Filename)
+	}
 	p := &packages.Package{
-		PkgPath:   pkg.Path(),
-		Name:      pkg.Name(),
-		Fset:      fset,
-		Syntax:    files,
-		Types:     pkg,
-		TypesInfo: info,
+		PkgPath:         pkg.Path(),
+		Name:            pkg.Name(),
+		Fset:            fset,
+		GoFiles:         names,
+		CompiledGoFiles: names,
+		Syntax:          files,
+		Types:           pkg,
+		TypesInfo:       info,
 	}
 	errs := &errorSink{}
 	buildModel(p, errs)
