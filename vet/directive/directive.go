@@ -40,7 +40,7 @@ func run(pass *analysis.Pass) (any, error) {
 	for _, f := range pass.Files {
 		name := pass.Fset.File(f.Pos()).Name()
 		if strings.HasSuffix(name, "_test.go") {
-			notRead(pass, r, f.Comments, "in a test file: idemgen never reads _test.go files, so nothing is generated for it and the code it marks runs without idempotency; move it to a non-test file")
+			notRead(pass, r, f.Comments, "in a _test.go file is ignored: idemgen generates only from the package's non-test files, so the code it marks runs without idempotency; move it to a non-test file")
 			continue
 		}
 		built = append(built, f)
@@ -104,7 +104,7 @@ func ignoredFile(pass *analysis.Pass, r *vetutil.Reporter, name string) {
 		}
 		shifted = append(shifted, &ast.CommentGroup{List: list})
 	}
-	notRead(pass, r, shifted, "in a file excluded by the build constraints in use: idemgen reads the files go build compiles, so nothing is generated for it and the code it marks runs without idempotency; move it to a file that is built, or run idemgen and idemgen vet with the same -tags")
+	notRead(pass, r, shifted, "is not generated in this run: the current build tags exclude this file, so a build with them runs the code it marks without idempotency; run idemgen (and idemgen vet) with -tags that select it, or move it to a file that is built")
 }
 
 // toPos finds the generator's position in the pass's files.

@@ -2,5 +2,5 @@
 
 package directive
 
-//idem:consume topic=orders // want `//idem:consume in a file excluded by the build constraints in use: idemgen reads the files go build compiles`
+//idem:consume topic=orders // want `//idem:consume is not generated in this run: the current build tags exclude this file`
 func Excluded() {}
