@@ -64,9 +64,20 @@ func run(pass *analysis.Pass) (any, error) {
 // notRead reports every //idem: comment of a file idemgen does not read,
 // with the problems of its text.
 func notRead(pass *analysis.Pass, r *vetutil.Reporter, comments []*ast.CommentGroup, why string) {
+	// An excluded file is not among the pass's files, so the reporter does
+	// not know its //idemvet:ignore comments: read them here.
+	silenced := map[int]bool{}
 	for _, cg := range comments {
 		for _, c := range cg.List {
-			if !strings.HasPrefix(c.Text, "//idem:") {
+			if check, reason, ok := vetutil.ParseIgnore(c.Text); ok && check == r.Check && reason != "" {
+				line := pass.Fset.Position(c.Slash).Line
+				silenced[line], silenced[line+1] = true, true
+			}
+		}
+	}
+	for _, cg := range comments {
+		for _, c := range cg.List {
+			if !strings.HasPrefix(c.Text, "//idem:") || silenced[pass.Fset.Position(c.Slash).Line] {
 				continue
 			}
 			kind, _, _ := strings.Cut(strings.TrimPrefix(c.Text, "//idem:"), " ")
