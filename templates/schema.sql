@@ -93,3 +93,13 @@ $$;
 CREATE OR REPLACE TRIGGER idem_outbox_notify
 AFTER INSERT ON idem_outbox
 FOR EACH STATEMENT EXECUTE FUNCTION idem_outbox_notify();
+
+-- idem_schema_version records which text of this file was last applied (its
+-- SHA-256, written by idem.Migrate after applying it), so that Migrate on a
+-- current schema only reads this row: it then runs no DDL and takes no lock
+-- that a running replica's requests could queue behind.
+CREATE TABLE IF NOT EXISTS idem_schema_version (
+    singleton  boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
+    digest     text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);

@@ -42,9 +42,13 @@ func runDemo(ctx context.Context, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: newMux(pool)}
+	mux, err := newMux(pool)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mux}
 	served := make(chan error, 1)
-	go func() { served <- idem.ServeHTTP(ctx, srv, ln, 5*time.Second, nil) }()
+	go func() { served <- idem.ServeHTTP(ctx, srv, ln, idem.ServeConfig{Drain: 5 * time.Second}) }()
 	defer srv.Close()
 	base := "http://" + ln.Addr().String()
 

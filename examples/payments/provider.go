@@ -53,7 +53,7 @@ func runProvider(ctx context.Context) error {
 	}
 	slog.Info("provider listening", "addr", ln.Addr().String())
 	srv := &http.Server{Handler: provider.New(pool, nil).Handler(), ReadHeaderTimeout: 5 * time.Second}
-	err = idem.ServeHTTP(ctx, srv, ln, 5*time.Second, nil)
+	err = idem.ServeHTTP(ctx, srv, ln, idem.ServeConfig{Drain: 5 * time.Second})
 	if errors.Is(err, http.ErrServerClosed) {
 		err = nil
 	}

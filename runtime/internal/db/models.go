@@ -58,3 +58,9 @@ type IdemProcessedEvent struct {
 	Koffset     int64
 	ProcessedAt pgtype.Timestamptz
 }
+
+type IdemSchemaVersion struct {
+	Singleton bool
+	Digest    string
+	AppliedAt pgtype.Timestamptz
+}

@@ -13,7 +13,8 @@ import (
 
 const claimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
-VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5::float8))
+SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
+WHERE pg_try_advisory_xact_lock($6::bigint)
 ON CONFLICT (scope, principal, key) DO UPDATE
 SET fingerprint = EXCLUDED.fingerprint,
     status_code = 0,
@@ -30,12 +31,17 @@ type ClaimKeyParams struct {
 	Key         string
 	Fingerprint []byte
 	TtlSeconds  float64
+	LockID      int64
 }
 
-// Claims (scope, principal, key) for this transaction. Returns 1 row when the
-// key is new or its previous row has expired (the expired row is taken over),
-// 0 when a live row exists. A concurrent uncommitted claim makes this wait
-// until that transaction ends (bounded by lock_timeout).
+// Claims (scope, principal, key) for this transaction. The transaction-scoped
+// advisory lock on @lock_id (a 64-bit hash of the key, see idem.Key) is the
+// in-flight marker: only its holder may insert or take over the row, so this
+// statement never waits on a concurrent claim of the same key. It returns 1
+// row when the key is new or its previous row has expired (the expired row is
+// taken over), 0 when the lock is held elsewhere (the key is in flight) or a
+// live row exists (GetKey tells which). Any wait here is on something else (a
+// table lock, a purge holding an expired row), bounded by lock_timeout.
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, claimKey,
 		arg.Scope,
@@ -43,6 +49,7 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 		arg.Key,
 		arg.Fingerprint,
 		arg.TtlSeconds,
+		arg.LockID,
 	)
 	if err != nil {
 		return 0, err
@@ -239,7 +246,7 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 }
 
 const getKey = `-- name: GetKey :one
-SELECT fingerprint, status_code, headers, body, expires_at
+SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
 `
@@ -256,8 +263,10 @@ type GetKeyRow struct {
 	Headers     []byte
 	Body        []byte
 	ExpiresAt   pgtype.Timestamptz
+	Live        bool
 }
 
+// live is false for an expired row: one being taken over is still in flight.
 func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, error) {
 	row := q.db.QueryRow(ctx, getKey, arg.Scope, arg.Principal, arg.Key)
 	var i GetKeyRow
@@ -267,8 +276,20 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 		&i.Headers,
 		&i.Body,
 		&i.ExpiresAt,
+		&i.Live,
 	)
 	return i, err
+}
+
+const getSchemaVersion = `-- name: GetSchemaVersion :one
+SELECT digest FROM idem_schema_version WHERE singleton
+`
+
+func (q *Queries) GetSchemaVersion(ctx context.Context) (string, error) {
+	row := q.db.QueryRow(ctx, getSchemaVersion)
+	var digest string
+	err := row.Scan(&digest)
+	return digest, err
 }
 
 const insertDeadLetter = `-- name: InsertDeadLetter :exec
@@ -523,6 +544,18 @@ func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
 	return err
 }
 
+const setConnectionCheck = `-- name: SetConnectionCheck :exec
+SELECT set_config('client_connection_check_interval', $1::text, true)
+`
+
+// Makes the backend check, during long statements and lock waits too, that
+// the client is still connected, so a killed process frees its keys within
+// the interval instead of when the statement ends. Transaction-scoped.
+func (q *Queries) SetConnectionCheck(ctx context.Context, interval string) error {
+	_, err := q.db.Exec(ctx, setConnectionCheck, interval)
+	return err
+}
+
 const setLockTimeout = `-- name: SetLockTimeout :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', $1::text, true)
@@ -533,6 +566,27 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 // put it back: the wait bound must not leak into the handler's own queries.
 func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error {
 	_, err := q.db.Exec(ctx, setLockTimeout, lockTimeout)
+	return err
+}
+
+const setMigrateLockTimeout = `-- name: SetMigrateLockTimeout :exec
+SELECT set_config('lock_timeout', $1::text, true)
+`
+
+// Bounds how long Migrate's DDL queues for a table lock behind running
+// requests (and makes new requests queue behind it) before it backs off.
+func (q *Queries) SetMigrateLockTimeout(ctx context.Context, lockTimeout string) error {
+	_, err := q.db.Exec(ctx, setMigrateLockTimeout, lockTimeout)
+	return err
+}
+
+const setSchemaVersion = `-- name: SetSchemaVersion :exec
+INSERT INTO idem_schema_version (digest) VALUES ($1)
+ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = now()
+`
+
+func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
+	_, err := q.db.Exec(ctx, setSchemaVersion, digest)
 	return err
 }
 
