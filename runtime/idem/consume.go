@@ -11,9 +11,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
 // EventIDHeader is the record header that carries an event's id. The outbox
@@ -219,6 +222,11 @@ type ProcessorConfig struct {
 	StorageTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the processor's metrics and
+	// one span per record (or batch); nil: the global providers. See the
+	// README's "Metrics and traces".
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
 
 // Processor applies records to event handlers: per record, in one
@@ -230,6 +238,7 @@ type Processor struct {
 	pool  *pgxpool.Pool
 	cfg   ProcessorConfig
 	log   *slog.Logger
+	tel   *telemetry.Telemetry
 }
 
 // NewProcessor returns a Processor on store. It validates cfg and keeps a
@@ -258,7 +267,9 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Processor{store: store, pool: store.pool, cfg: cfg, log: cfg.Logger}, nil
+	tel := telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
+	cfg.MeterProvider, cfg.TracerProvider = nil, nil // kept in tel
+	return &Processor{store: store, pool: store.pool, cfg: cfg, log: cfg.Logger, tel: tel}, nil
 }
 
 // Process applies rec to h. It returns nil once the record is done — applied,
@@ -271,7 +282,19 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 // dead letter. Storage failures use none of it: Process waits them out
 // (ProcessorConfig.Outage) for as long as ctx allows.
 func (p *Processor) Process(ctx context.Context, h *EventHandler, rec *Record) (Outcome, error) {
-	return p.process(ctx, h, rec, 0)
+	ctx, done := p.tel.RecordStart(ctx, h.Context, rec.Topic, rec.Partition, rec.Offset)
+	o, err := p.process(ctx, h, rec, 0)
+	done(outcomeName(o, err), err)
+	return o, err
+}
+
+// outcomeName is the outcome attribute of a finished record: its Outcome, or
+// "cancelled" when the context ended first (it will be delivered again).
+func outcomeName(o Outcome, err error) string {
+	if err != nil {
+		return "cancelled"
+	}
+	return o.String()
 }
 
 // process is Process; replayID, when not 0, is the dead letter being replayed
@@ -298,6 +321,7 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 		if p.isOutage(err) {
 			outage++
 			wait = p.cfg.Outage.wait(outage)
+			p.tel.StorageWait(ctx, h.Context)
 			p.log.WarnContext(ctx, "storage unavailable; waiting, no attempt used", logRecord(h, rec,
 				"outage_tries", outage, "wait", wait, "err", err)...)
 		} else {
@@ -307,9 +331,13 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 				return p.deadLetter(ctx, h, rec, replayID, attempt, err)
 			}
 			wait = p.cfg.Retry.backoff(attempt)
+			p.tel.RecordRetried(ctx, h.Context, rec.Topic)
 			p.log.WarnContext(ctx, "handler failed; retrying", logRecord(h, rec, "attempt", attempt, "err", err)...)
 		}
-		if err := sleep(ctx, wait); err != nil {
+		p.tel.ConsumerBackoff(ctx, h.Context, wait)
+		err = sleep(ctx, wait)
+		p.tel.ConsumerBackoff(ctx, h.Context, 0)
+		if err != nil {
 			return 0, err
 		}
 	}
@@ -371,14 +399,23 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	return outcome, nil
 }
 
+// commitGrace is how long a COMMIT already sent may still take after the
+// context is cancelled.
+const commitGrace = time.Second
+
 // commit commits tx. Once the decision to commit is taken, a cancellation
-// (shutdown, a rebalance waiting) no longer interrupts it: cancelling a
-// COMMIT in flight leaves its outcome unknown to us (it may have committed on
-// the server), which costs a redelivery and reports an applied record as a
-// duplicate. StorageTimeout still bounds it.
+// (shutdown, a rebalance waiting) does not interrupt it at once: cancelling
+// a COMMIT in flight leaves its outcome unknown to us (it may have committed
+// on the server), which costs a redelivery and reports an applied record as a
+// duplicate. A healthy database answers well within commitGrace; one that
+// does not (blackholed) must not hold a shutdown for StorageTimeout, so the
+// COMMIT is abandoned commitGrace after the cancellation — safe either way,
+// the offset is not marked and a redelivery is deduplicated.
 func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.StorageTimeout)
 	defer cancel()
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(commitGrace, cancel) })
+	defer stop()
 	if err := tx.Commit(cctx); err != nil {
 		return &storageError{op: "commit", err: err}
 	}
@@ -401,10 +438,13 @@ func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*R
 		}
 		return []Outcome{o}, nil
 	}
-	outcomes, err := p.applyBatch(ctx, h, recs)
+	bctx, done := p.tel.BatchStart(ctx, h.Context, recs[0].Topic, recs[0].Partition, recs[0].Offset, len(recs))
+	outcomes, err := p.applyBatch(bctx, h, recs)
 	if err == nil {
+		done(outcomeNames(outcomes), nil)
 		return outcomes, nil
 	}
+	done(nil, err) // the records are counted one by one below
 	if ctxErr := ctx.Err(); ctxErr != nil {
 		return nil, ctxErr
 	}
@@ -420,6 +460,14 @@ func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*R
 		outcomes = append(outcomes, o)
 	}
 	return outcomes, nil
+}
+
+func outcomeNames(os []Outcome) []string {
+	names := make([]string, len(os))
+	for i, o := range os {
+		names[i] = o.String()
+	}
+	return names
 }
 
 var errBatchNeedsFallback = errors.New("batch has an undecodable record")
