@@ -604,12 +604,12 @@ func (r *Relay) record(token string, out *batchOutcome, log *slog.Logger) error 
 	return nil
 }
 
-// maxErrorText bounds a stored last_error.
-const maxErrorText = 2000
+// maxRelayErrorText bounds a stored last_error.
+const maxRelayErrorText = 2000
 
 // relayErrorText is err's text as PostgreSQL's text type accepts it: valid
 // UTF-8, no NUL (both are refused, and a refused last_error must not turn a
-// publish failure into a bookkeeping failure), at most maxErrorText bytes.
+// publish failure into a bookkeeping failure), at most maxRelayErrorText bytes.
 func relayErrorText(err error) string {
 	s := []rune(err.Error())
 	b := make([]rune, 0, len(s))
@@ -622,8 +622,8 @@ func relayErrorText(err error) string {
 		}
 	}
 	out := string(b)
-	if len(out) > maxErrorText {
-		cut := maxErrorText
+	if len(out) > maxRelayErrorText {
+		cut := maxRelayErrorText
 		for cut > 0 && !utf8RuneStart(out[cut]) {
 			cut--
 		}
