@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -54,6 +55,8 @@ Environment:
                         next heartbeat (every 3s), so its partitions wait ~45-48s. Lower it
                         (e.g. 6s) for faster takeover, at the cost of spurious rebalances
                         on long GC or network pauses
+  RELAY_LEASE           the relay's leadership lease (default 15s, idem's); a killed leader's
+                        standby takes over after it; tests shorten it
   LOG_LEVEL             debug, info (default), warn or error; per-record lines are debug
   IDEM_CRASH_AT         tests only: SIGKILL the process at a named crash point
 `
@@ -222,7 +225,16 @@ func newRelay(ctx context.Context, pool *pgxpool.Pool, brokers []string, chk kaf
 		return nil, nil, fmt.Errorf("relay: %w", err)
 	}
 	slog.Info("payments relay standing by for leadership", "topics", relayTopics)
-	r, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }})
+	cfg := idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }}
+	// Tests shorten the lease so a standby (or a restarted relay) takes over
+	// a killed leader quickly; production keeps the default.
+	if d := os.Getenv("RELAY_LEASE"); d != "" {
+		if cfg.Lease, err = time.ParseDuration(d); err != nil {
+			pub.Close()
+			return nil, nil, fmt.Errorf("RELAY_LEASE: %w", err)
+		}
+	}
+	r, err := idem.NewRelay(idem.NewStore(pool), pub, cfg)
 	if err != nil {
 		pub.Close()
 		return nil, nil, err

@@ -10,9 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
+	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
@@ -218,4 +221,146 @@ func brokerDownThenBack(t *testing.T, empty bool) {
 	if c := statusCounts(t, pool); len(c) != 1 {
 		t.Fatalf("statuses %v, want only PUBLISHED", c)
 	}
+}
+
+// The broker is partitioned away (connections stay open, nothing flows) for
+// longer than every timeout, then comes back: no batch waits past the
+// publish timeout, nothing is parked or charged, and once the network is
+// back every event is published in per-key order.
+func TestBrokerBlackholedLongerThanEveryTimeoutThenBack(t *testing.T) {
+	t.Parallel()
+	c, proxies := faultproxy.KafkaCluster(t, 1, kfake.SeedTopics(1, "events"))
+	addrs := c.ListenAddrs()
+	pool := db(t)
+	pub := &countingPublisher{inner: publisher(t, addrs)}
+	const maxAttempts = 2
+	startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: 3 * time.Second,
+		PublishTimeout: 300 * time.Millisecond, MaxAttempts: maxAttempts, MaxBackoff: 400 * time.Millisecond}))
+	feed := newFeed(t, pool, 3)
+	feed.add(6)
+	waitUntil(t, "the first events to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 6 })
+
+	faultproxy.Each(proxies, (*faultproxy.Proxy).Blackhole)
+	feed.add(9)
+	waitUntil(t, "failed batches while the broker is unreachable", func() bool {
+		return pub.deadBatches() >= 3*maxAttempts+2 || statusCounts(t, pool)["PARKED"] > 0
+	})
+	if n := count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status <> 'PUBLISHED' AND coalesce(last_error, '') = ''`); n != 0 {
+		t.Errorf("%d failing rows have no last_error", n)
+	}
+	if c := statusCounts(t, pool); c["PARKED"] != 0 || count(t, pool, `SELECT coalesce(max(attempts), 0) FROM idem_outbox`) != 0 {
+		t.Fatalf("the outage was charged to the rows: %v", c)
+	}
+	faultproxy.Each(proxies, (*faultproxy.Proxy).Restore)
+	waitUntil(t, "every event to be published after the network returned", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 15 })
+	feed.add(3)
+	dups := distinctInKeyOrder(t, addrs, "events", 18, 0)
+	waitUntil(t, "the last events to be marked", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 18 })
+	t.Logf("%d failed batches during the partition; %d duplicate records after it", pub.deadBatches(), dups)
+}
+
+// feed enqueues keyed events over keys keys, numbering each key's events.
+type feed struct {
+	t    testing.TB
+	pool *pgxpool.Pool
+	keys int
+	seq  map[string]int
+	n    int
+}
+
+func newFeed(t testing.TB, pool *pgxpool.Pool, keys int) *feed {
+	return &feed{t: t, pool: pool, keys: keys, seq: map[string]int{}}
+}
+
+func (f *feed) add(n int) {
+	evs := make([]keyed, n)
+	for i := range evs {
+		k := fmt.Sprintf("k%d", f.n%f.keys)
+		evs[i] = keyed{Key: k, Seq: f.seq[k]}
+		f.seq[k]++
+		f.n++
+	}
+	enqueue(f.t, f.pool, "events", evs...)
+}
+
+// gatedPublisher holds its first Publish until the test has injected a
+// fault, then publishes: the fault hits between produce and mark.
+type gatedPublisher struct {
+	inner   idem.Publisher
+	once    sync.Once
+	entered chan struct{}
+	proceed chan struct{}
+}
+
+func (p *gatedPublisher) Publish(ctx context.Context, msgs []idem.Message) []error {
+	p.once.Do(func() {
+		close(p.entered)
+		<-p.proceed
+	})
+	return p.inner.Publish(ctx, msgs)
+}
+
+// The relay's database connections are cut, refused (down) or blackholed
+// (open but silent) for longer than the lease, right after a batch was
+// produced and before it is marked. The marks, the lease renewal, the
+// LISTEN connection and the standby's attempts all fail or time out with
+// their own bounded contexts; the relay steps down, waits, takes the lease
+// again once the database answers, and republishes what it could not mark.
+// In the end every event is published (duplicates only), none is parked or
+// charged an attempt, and the relay still serves.
+func TestRelayDatabaseFaults(t *testing.T) {
+	t.Parallel()
+	for _, fault := range []struct {
+		name  string
+		apply func(*faultproxy.Proxy)
+	}{
+		{"cut", (*faultproxy.Proxy).Cut},
+		{"down", (*faultproxy.Proxy).Down},
+		{"blackhole", (*faultproxy.Proxy).Blackhole},
+	} {
+		t.Run(fault.name, func(t *testing.T) {
+			t.Parallel()
+			addrs := cluster(t, 2, "events")
+			dbURL := pgtest.Schema(t)
+			pool := poolOn(t, dbURL)
+			if err := idem.Migrate(context.Background(), pool); err != nil {
+				t.Fatal(err)
+			}
+			proxy := faultproxy.New(t, faultproxy.PostgresTarget(dbURL))
+			relayPool := poolOn(t, proxy.RewriteURL(dbURL))
+			const lease = 2 * time.Second
+			pub := &gatedPublisher{inner: publisher(t, addrs), entered: make(chan struct{}), proceed: make(chan struct{})}
+			relay, err := idem.NewRelay(idem.NewStore(relayPool), pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond,
+				Lease: lease, DBTimeout: 500 * time.Millisecond, PublishTimeout: time.Second, MaxBackoff: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			feed := newFeed(t, pool, 4)
+			feed.add(20)
+			startRelay(t, relay)
+			<-pub.entered
+			fault.apply(proxy)
+			close(pub.proceed)
+			feed.add(10)
+			time.Sleep(lease + lease/2) // the fault lasts longer than the lease
+			proxy.Restore()
+			feed.add(5) // still serving
+			waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 35 })
+			if c := statusCounts(t, pool); len(c) != 1 || count(t, pool, `SELECT max(attempts) FROM idem_outbox`) != 0 {
+				t.Fatalf("statuses %v, max attempts %d: want only PUBLISHED, none charged", c, count(t, pool, `SELECT max(attempts) FROM idem_outbox`))
+			}
+			dups := distinctInKeyOrder(t, addrs, "events", 35, 0)
+			t.Logf("%s: %d duplicate records", fault.name, dups)
+		})
+	}
+}
+
+func poolOn(t testing.TB, url string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }
