@@ -168,22 +168,27 @@ SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until
 WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBLISHING'
   AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
 
--- name: MarkOutboxFailed :execrows
+-- name: MarkOutboxFailed :one
 -- Returns failed rows to PENDING with their last_error. A counted failure
 -- (the row's own: others of its batch got through) adds an attempt and parks
 -- the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 -- once; an uncounted one (a broker-wide outage) changes neither. Conditional
--- on the claim token and the lease like MarkOutboxPublished.
-UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
-    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
-    last_error = f.error,
-    claim_token = NULL,
-    locked_until = NULL
-FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
-             unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
-WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
-  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
+-- on the claim token and the lease like MarkOutboxPublished. It reports how
+-- many rows it marked and how many of them it parked.
+WITH marked AS (
+  UPDATE idem_outbox o
+  SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
+      attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
+      last_error = f.error,
+      claim_token = NULL,
+      locked_until = NULL
+  FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
+               unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
+  WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
+    AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token)
+  RETURNING o.status
+)
+SELECT count(*) AS marked, count(*) FILTER (WHERE status = 'PARKED') AS parked FROM marked;
 
 -- name: ReapOutbox :execrows
 -- Returns PUBLISHING rows whose row lease expired to PENDING.

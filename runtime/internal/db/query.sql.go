@@ -867,17 +867,21 @@ func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, 
 	return result.RowsAffected(), nil
 }
 
-const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
-UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
-    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
-    last_error = f.error,
-    claim_token = NULL,
-    locked_until = NULL
-FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
-             unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
-WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
-  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
+const markOutboxFailed = `-- name: MarkOutboxFailed :one
+WITH marked AS (
+  UPDATE idem_outbox o
+  SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
+      attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
+      last_error = f.error,
+      claim_token = NULL,
+      locked_until = NULL
+  FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
+               unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
+  WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
+    AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
+  RETURNING o.status
+)
+SELECT count(*) AS marked, count(*) FILTER (WHERE status = 'PARKED') AS parked FROM marked
 `
 
 type MarkOutboxFailedParams struct {
@@ -890,13 +894,19 @@ type MarkOutboxFailedParams struct {
 	Counted     []bool
 }
 
+type MarkOutboxFailedRow struct {
+	Marked int64
+	Parked int64
+}
+
 // Returns failed rows to PENDING with their last_error. A counted failure
 // (the row's own: others of its batch got through) adds an attempt and parks
 // the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 // once; an uncounted one (a broker-wide outage) changes neither. Conditional
-// on the claim token and the lease like MarkOutboxPublished.
-func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxFailed,
+// on the claim token and the lease like MarkOutboxPublished. It reports how
+// many rows it marked and how many of them it parked.
+func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (MarkOutboxFailedRow, error) {
+	row := q.db.QueryRow(ctx, markOutboxFailed,
 		arg.MaxAttempts,
 		arg.ClaimToken,
 		arg.Name,
@@ -905,10 +915,9 @@ func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedPara
 		arg.Permanent,
 		arg.Counted,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	var i MarkOutboxFailedRow
+	err := row.Scan(&i.Marked, &i.Parked)
+	return i, err
 }
 
 const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
