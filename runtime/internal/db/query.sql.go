@@ -944,11 +944,13 @@ func (q *Queries) MarkOutboxPublished(ctx context.Context, arg MarkOutboxPublish
 }
 
 const migrateLock = `-- name: MigrateLock :exec
-SELECT pg_advisory_xact_lock(7164539873465300001)
+SELECT pg_advisory_xact_lock(hashtext('idem_migrate'), hashtext(current_schema()))
 `
 
 // Serializes concurrent idem.Migrate calls (several pods starting at once):
-// CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
+// CREATE ... IF NOT EXISTS alone can still fail when two sessions race. The
+// lock is per schema (the tables go into current_schema()), so services in
+// other schemas of the same database never wait for each other.
 func (q *Queries) MigrateLock(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, migrateLock)
 	return err
@@ -991,6 +993,38 @@ func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
 		return nil, err
 	}
 	return items, nil
+}
+
+const outboxLag = `-- name: OutboxLag :one
+SELECT
+    ((SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')
+     + (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHING'))::bigint AS pending,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PARKED')::bigint AS parked,
+    (SELECT count(*) FROM idem_dead_letters d WHERE d.replayed_at IS NULL)::bigint AS dead_letters,
+    COALESCE(EXTRACT(EPOCH FROM now() - (SELECT o.created_at FROM idem_outbox o WHERE o.status = 'PENDING' ORDER BY o.id LIMIT 1)), 0)::float8 AS oldest_pending_seconds
+`
+
+type OutboxLagRow struct {
+	Pending              int64
+	Parked               int64
+	DeadLetters          int64
+	OldestPendingSeconds float64
+}
+
+// What the observable gauges report, cheap enough to read at every metrics
+// collection: each count is read from its partial index (never the
+// PUBLISHED history), and the oldest PENDING row is the first entry of
+// idem_outbox_pending.
+func (q *Queries) OutboxLag(ctx context.Context) (OutboxLagRow, error) {
+	row := q.db.QueryRow(ctx, outboxLag)
+	var i OutboxLagRow
+	err := row.Scan(
+		&i.Pending,
+		&i.Parked,
+		&i.DeadLetters,
+		&i.OldestPendingSeconds,
+	)
+	return i, err
 }
 
 const outboxStatus = `-- name: OutboxStatus :one
