@@ -59,7 +59,7 @@ type ConsumerConfig struct {
 	Logger *slog.Logger
 	// MeterProvider and TracerProvider receive the processor's metrics and
 	// spans (see idem.ProcessorConfig); nil: the global providers.
-	MeterProvider metric.MeterProvider
+	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
 	// ClientOpts are extra kgo options (TLS, SASL, ConsumeResetOffset, ...).
 	// The options the delivery guarantee rests on are always set by Run and
