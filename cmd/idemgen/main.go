@@ -60,7 +60,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := fset.Parse(args); err != nil {
 		return exitError
 	}
-	cfg := generator.Config{}
+	cfg := generator.Config{
+		Warn: func(w *generator.Error) { fmt.Fprintln(stderr, "warning:", w) },
+	}
 	if *tags != "" {
 		cfg.BuildFlags = []string{"-tags=" + *tags}
 	}
