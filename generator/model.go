@@ -667,10 +667,14 @@ func routeConflict(a, b string) (why string) {
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			// The panic's last line explains, e.g. "POST /items/{id} and
-			// POST /items/{name} match the same requests".
+			// After its first line (which names where each pattern was
+			// registered: here) the panic explains, e.g. "POST
+			// /items/{name} matches the same requests as POST /items/{id}".
 			msg := fmt.Sprint(r)
-			why = "http.ServeMux cannot register both: " + strings.TrimSpace(msg[strings.LastIndex(msg, "\n")+1:])
+			if _, rest, ok := strings.Cut(msg, ":\n"); ok {
+				msg = rest
+			}
+			why = "http.ServeMux would panic registering both: " + strings.Join(strings.Fields(msg), " ")
 		}
 	}()
 	mux := http.NewServeMux()
