@@ -278,7 +278,8 @@ func (e *emitter) scopeDoc() string {
 
 // consumer emits the constructor of one //idem:consume handler:
 //
-//	// HandleOrderConfirmedConsumer consumes orders.confirmed with (*Billing).HandleOrderConfirmed, once per event id.
+//	// HandleOrderConfirmedConsumer consumes orders.confirmed with (*Billing).HandleOrderConfirmed,
+//	// once per event id (ev.EventID) in context "billing".
 //	func (b *Billing) HandleOrderConfirmedConsumer() idem.EventHandler {
 //		return idem.Consume(idem.EventSpec[OrderConfirmed]{
 //			Topic:   "orders.confirmed",
@@ -290,10 +291,11 @@ func (e *emitter) consumer(c *consumeFunc) {
 	recv := e.recvVar(&c.wrapped)
 	ev := e.locals["ev"]
 	e.f.Line()
+	e.f.Commentf("%s consumes %s with %s,", c.consumerName(), c.topic, e.describe(&c.wrapped))
 	if c.idField != nil {
-		e.f.Commentf("%s consumes %s with %s, once per event id (ev.%s) in context %q.", c.consumerName(), c.topic, e.describe(&c.wrapped), c.idField.name, c.context)
+		e.f.Commentf("once per event id (ev.%s) in context %q.", c.idField.name, c.context)
 	} else {
-		e.f.Commentf("%s consumes %s with %s, once per event id (record header idem.EventIDHeader) in context %q.", c.consumerName(), c.topic, e.describe(&c.wrapped), c.context)
+		e.f.Commentf("once per event id (record header idem.EventIDHeader) in context %q.", c.context)
 	}
 
 	field := func(name string, value jen.Code) jen.Code { return jen.Id(name).Op(":").Add(value) }

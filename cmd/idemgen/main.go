@@ -61,7 +61,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitError
 	}
 	cfg := generator.Config{
-		Warn: func(w *generator.Error) { fmt.Fprintln(stderr, "warning:", w) },
+		Warn: func(w *generator.Error) {
+			w.Msg = "warning: " + w.Msg
+			fmt.Fprintln(stderr, w)
+		},
 	}
 	if *tags != "" {
 		cfg.BuildFlags = []string{"-tags=" + *tags}
