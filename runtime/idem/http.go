@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/dbx"
 )
 
 // Defaults for Endpoint and HTTP fields left zero.
@@ -287,7 +288,7 @@ var (
 func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	opts := h.TxOptions
 	if in.key != nil {
-		opts = db.BoundedBegin(opts, ep.Wait) // BEGIN and the claim's wait bound: one round trip
+		opts = dbx.BoundedBegin(opts, ep.Wait) // BEGIN and the claim's wait bound: one round trip
 	}
 	tx, err := h.Store.pool.BeginTx(ctx, opts)
 	if err != nil {
@@ -296,7 +297,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	defer rollback(ctx, tx) // after Commit this is a no-op
 
 	if in.key != nil {
-		claimed, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
+		claimed, row, err := dbx.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
 			Scope: in.key.Scope, Principal: in.key.Principal, Key: in.key.Key,
 			Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(),
 		})

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-const claimKey = `-- name: ClaimKey :execrows
+const ClaimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5::float8))
 ON CONFLICT (scope, principal, key) DO UPDATE
@@ -37,7 +37,7 @@ type ClaimKeyParams struct {
 // 0 when a live row exists. A concurrent uncommitted claim makes this wait
 // until that transaction ends (bounded by lock_timeout).
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, claimKey,
+	result, err := q.db.Exec(ctx, ClaimKey,
 		arg.Scope,
 		arg.Principal,
 		arg.Key,
@@ -50,7 +50,7 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 	return result.RowsAffected(), nil
 }
 
-const claimOutboxBatch = `-- name: ClaimOutboxBatch :many
+const ClaimOutboxBatch = `-- name: ClaimOutboxBatch :many
 WITH c AS (
     SELECT o.id FROM idem_outbox o
     WHERE o.status = 'PENDING'
@@ -89,7 +89,7 @@ type ClaimOutboxBatchRow struct {
 // rows are picked in a CTE; SKIP LOCKED lets concurrent relays claim disjoint
 // batches instead of waiting on each other.
 func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchParams) ([]ClaimOutboxBatchRow, error) {
-	rows, err := q.db.Query(ctx, claimOutboxBatch, arg.ClaimToken, arg.LeaseSeconds, arg.BatchSize)
+	rows, err := q.db.Query(ctx, ClaimOutboxBatch, arg.ClaimToken, arg.LeaseSeconds, arg.BatchSize)
 	if err != nil {
 		return nil, err
 	}
@@ -116,7 +116,7 @@ func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchPara
 	return items, nil
 }
 
-const completeKey = `-- name: CompleteKey :execrows
+const CompleteKey = `-- name: CompleteKey :execrows
 UPDATE idem_keys
 SET status_code = $1, headers = $2, body = $3
 WHERE scope = $4 AND principal = $5 AND key = $6
@@ -132,7 +132,7 @@ type CompleteKeyParams struct {
 }
 
 func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, completeKey,
+	result, err := q.db.Exec(ctx, CompleteKey,
 		arg.StatusCode,
 		arg.Headers,
 		arg.Body,
@@ -146,7 +146,7 @@ func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64
 	return result.RowsAffected(), nil
 }
 
-const deleteExpiredKeys = `-- name: DeleteExpiredKeys :execrows
+const DeleteExpiredKeys = `-- name: DeleteExpiredKeys :execrows
 DELETE FROM idem_keys
 WHERE (scope, principal, key) IN (
     SELECT k.scope, k.principal, k.key
@@ -162,14 +162,14 @@ WHERE (scope, principal, key) IN (
 // chosen in a sub-select. SKIP LOCKED keeps retention from waiting on (or
 // blocking) a request that is taking over an expired key right now.
 func (q *Queries) DeleteExpiredKeys(ctx context.Context, batchSize int32) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteExpiredKeys, batchSize)
+	result, err := q.db.Exec(ctx, DeleteExpiredKeys, batchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteProcessedEventsBefore = `-- name: DeleteProcessedEventsBefore :execrows
+const DeleteProcessedEventsBefore = `-- name: DeleteProcessedEventsBefore :execrows
 DELETE FROM idem_processed_events
 WHERE (context, event_id) IN (
     SELECT p.context, p.event_id FROM idem_processed_events p
@@ -185,14 +185,14 @@ type DeleteProcessedEventsBeforeParams struct {
 }
 
 func (q *Queries) DeleteProcessedEventsBefore(ctx context.Context, arg DeleteProcessedEventsBeforeParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteProcessedEventsBefore, arg.Before, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeleteProcessedEventsBefore, arg.Before, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deletePublishedOutbox = `-- name: DeletePublishedOutbox :execrows
+const DeletePublishedOutbox = `-- name: DeletePublishedOutbox :execrows
 DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
@@ -209,14 +209,14 @@ type DeletePublishedOutboxParams struct {
 }
 
 func (q *Queries) DeletePublishedOutbox(ctx context.Context, arg DeletePublishedOutboxParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deletePublishedOutbox, arg.Before, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeletePublishedOutbox, arg.Before, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const enqueueOutbox = `-- name: EnqueueOutbox :exec
+const EnqueueOutbox = `-- name: EnqueueOutbox :exec
 INSERT INTO idem_outbox (topic, record_key, payload, headers)
 VALUES ($1, $2, $3, $4)
 `
@@ -229,7 +229,7 @@ type EnqueueOutboxParams struct {
 }
 
 func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) error {
-	_, err := q.db.Exec(ctx, enqueueOutbox,
+	_, err := q.db.Exec(ctx, EnqueueOutbox,
 		arg.Topic,
 		arg.RecordKey,
 		arg.Payload,
@@ -238,7 +238,7 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 	return err
 }
 
-const getKey = `-- name: GetKey :one
+const GetKey = `-- name: GetKey :one
 SELECT fingerprint, status_code, headers, body, expires_at
 FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
@@ -259,7 +259,7 @@ type GetKeyRow struct {
 }
 
 func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, error) {
-	row := q.db.QueryRow(ctx, getKey, arg.Scope, arg.Principal, arg.Key)
+	row := q.db.QueryRow(ctx, GetKey, arg.Scope, arg.Principal, arg.Key)
 	var i GetKeyRow
 	err := row.Scan(
 		&i.Fingerprint,
@@ -271,7 +271,7 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 	return i, err
 }
 
-const insertDeadLetter = `-- name: InsertDeadLetter :exec
+const InsertDeadLetter = `-- name: InsertDeadLetter :exec
 INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING
@@ -290,7 +290,7 @@ type InsertDeadLetterParams struct {
 }
 
 func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
-	_, err := q.db.Exec(ctx, insertDeadLetter,
+	_, err := q.db.Exec(ctx, InsertDeadLetter,
 		arg.Context,
 		arg.Topic,
 		arg.Kpartition,
@@ -304,7 +304,7 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 	return err
 }
 
-const insertProcessedEvent = `-- name: InsertProcessedEvent :execrows
+const InsertProcessedEvent = `-- name: InsertProcessedEvent :execrows
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
 VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (context, event_id) DO NOTHING
@@ -321,7 +321,7 @@ type InsertProcessedEventParams struct {
 // Records that context applied event_id. 0 rows: it already had (a
 // duplicate), and the handler must not run.
 func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedEventParams) (int64, error) {
-	result, err := q.db.Exec(ctx, insertProcessedEvent,
+	result, err := q.db.Exec(ctx, InsertProcessedEvent,
 		arg.Context,
 		arg.EventID,
 		arg.Topic,
@@ -334,7 +334,7 @@ func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedE
 	return result.RowsAffected(), nil
 }
 
-const insertProcessedEvents = `-- name: InsertProcessedEvents :many
+const InsertProcessedEvents = `-- name: InsertProcessedEvents :many
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
 SELECT $1, unnest($2::text[]), $3, $4, unnest($5::bigint[])
 ON CONFLICT (context, event_id) DO NOTHING
@@ -352,7 +352,7 @@ type InsertProcessedEventsParams struct {
 // The batch form: one statement for a whole batch of one partition. Returns
 // the ids that were new; the others are duplicates.
 func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessedEventsParams) ([]string, error) {
-	rows, err := q.db.Query(ctx, insertProcessedEvents,
+	rows, err := q.db.Query(ctx, InsertProcessedEvents,
 		arg.Context,
 		arg.EventIds,
 		arg.Topic,
@@ -377,16 +377,16 @@ func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessed
 	return items, nil
 }
 
-const listenOutbox = `-- name: ListenOutbox :exec
+const ListenOutbox = `-- name: ListenOutbox :exec
 LISTEN idem_outbox
 `
 
 func (q *Queries) ListenOutbox(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, listenOutbox)
+	_, err := q.db.Exec(ctx, ListenOutbox)
 	return err
 }
 
-const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
+const MarkOutboxFailed = `-- name: MarkOutboxFailed :execrows
 UPDATE idem_outbox o
 SET status = CASE WHEN f.permanent OR o.attempts >= $1 THEN 'PARKED' ELSE 'PENDING' END,
     last_error = f.error,
@@ -408,7 +408,7 @@ type MarkOutboxFailedParams struct {
 // the attempt budget or the failure is permanent; conditional on the claim
 // token like MarkOutboxPublished.
 func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxFailed,
+	result, err := q.db.Exec(ctx, MarkOutboxFailed,
 		arg.MaxAttempts,
 		arg.ClaimToken,
 		arg.Ids,
@@ -421,7 +421,7 @@ func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedPara
 	return result.RowsAffected(), nil
 }
 
-const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
+const MarkOutboxPublished = `-- name: MarkOutboxPublished :execrows
 UPDATE idem_outbox
 SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until = NULL, last_error = NULL
 WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'PUBLISHING'
@@ -435,25 +435,25 @@ type MarkOutboxPublishedParams struct {
 // Only the relay holding the claim token may mark its rows: one whose lease
 // was taken over is refused (0 rows).
 func (q *Queries) MarkOutboxPublished(ctx context.Context, arg MarkOutboxPublishedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxPublished, arg.Ids, arg.ClaimToken)
+	result, err := q.db.Exec(ctx, MarkOutboxPublished, arg.Ids, arg.ClaimToken)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const migrateLock = `-- name: MigrateLock :exec
+const MigrateLock = `-- name: MigrateLock :exec
 SELECT pg_advisory_xact_lock(7164539873465300001)
 `
 
 // Serializes concurrent idem.Migrate calls (several pods starting at once):
 // CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
 func (q *Queries) MigrateLock(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, migrateLock)
+	_, err := q.db.Exec(ctx, MigrateLock)
 	return err
 }
 
-const outboxCounts = `-- name: OutboxCounts :many
+const OutboxCounts = `-- name: OutboxCounts :many
 SELECT status, count(*)::bigint AS n FROM idem_outbox GROUP BY status
 `
 
@@ -463,7 +463,7 @@ type OutboxCountsRow struct {
 }
 
 func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
-	rows, err := q.db.Query(ctx, outboxCounts)
+	rows, err := q.db.Query(ctx, OutboxCounts)
 	if err != nil {
 		return nil, err
 	}
@@ -482,7 +482,7 @@ func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
 	return items, nil
 }
 
-const reapOutbox = `-- name: ReapOutbox :execrows
+const ReapOutbox = `-- name: ReapOutbox :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING' AND locked_until < now()
@@ -490,14 +490,14 @@ WHERE status = 'PUBLISHING' AND locked_until < now()
 
 // Returns PUBLISHING rows whose lease expired to PENDING.
 func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
-	result, err := q.db.Exec(ctx, reapOutbox)
+	result, err := q.db.Exec(ctx, ReapOutbox)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const resetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
+const ResetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING'
@@ -507,23 +507,23 @@ WHERE status = 'PUBLISHING'
 // predecessor that is gone; return them all to PENDING before publishing, so
 // they go out again in id order.
 func (q *Queries) ResetOutboxPublishing(ctx context.Context) (int64, error) {
-	result, err := q.db.Exec(ctx, resetOutboxPublishing)
+	result, err := q.db.Exec(ctx, ResetOutboxPublishing)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const restoreLockTimeout = `-- name: RestoreLockTimeout :exec
+const RestoreLockTimeout = `-- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)
 `
 
 func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, restoreLockTimeout)
+	_, err := q.db.Exec(ctx, RestoreLockTimeout)
 	return err
 }
 
-const setLockTimeout = `-- name: SetLockTimeout :exec
+const SetLockTimeout = `-- name: SetLockTimeout :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', $1::text, true)
 `
@@ -532,11 +532,11 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 // previous value is kept in idem.saved_lock_timeout so RestoreLockTimeout can
 // put it back: the wait bound must not leak into the handler's own queries.
 func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error {
-	_, err := q.db.Exec(ctx, setLockTimeout, lockTimeout)
+	_, err := q.db.Exec(ctx, SetLockTimeout, lockTimeout)
 	return err
 }
 
-const tryRelayLock = `-- name: TryRelayLock :one
+const TryRelayLock = `-- name: TryRelayLock :one
 SELECT pg_try_advisory_lock((7651::bigint << 32) | 'idem_outbox'::regclass::oid::bigint)
 `
 
@@ -545,7 +545,7 @@ SELECT pg_try_advisory_lock((7651::bigint << 32) | 'idem_outbox'::regclass::oid:
 // process dies. The key includes the outbox table's oid, so outboxes in
 // different schemas of one database elect their relays independently.
 func (q *Queries) TryRelayLock(ctx context.Context) (bool, error) {
-	row := q.db.QueryRow(ctx, tryRelayLock)
+	row := q.db.QueryRow(ctx, TryRelayLock)
 	var pg_try_advisory_lock bool
 	err := row.Scan(&pg_try_advisory_lock)
 	return pg_try_advisory_lock, err

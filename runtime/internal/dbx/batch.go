@@ -1,8 +1,8 @@
-package db
-
-// This file is written by hand; the rest of the package is sqlc's. It packs
-// sqlc's own query constants into fewer round trips, so that no SQL text
-// lives outside templates/ and the claim costs as little as possible.
+// Package dbx is the hand-written companion of runtime/internal/db, which is
+// sqlc's output only. It packs sqlc's exported query text (sqlc.yaml sets
+// emit_exported_queries) into fewer round trips, so that no SQL text lives
+// outside templates/ and the claim costs as little as possible.
+package dbx
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
 // BoundedBegin returns opts changed so that beginning the transaction also
@@ -25,7 +27,7 @@ func BoundedBegin(opts pgx.TxOptions, lockTimeout time.Duration) pgx.TxOptions {
 	if ms < 1 {
 		ms = 1 // lock_timeout 0 would mean "wait forever"
 	}
-	set := strings.Replace(setLockTimeout, "$1", "'"+strconv.FormatInt(ms, 10)+"ms'", 1)
+	set := strings.Replace(db.SetLockTimeout, "$1", "'"+strconv.FormatInt(ms, 10)+"ms'", 1)
 	opts.BeginQuery = beginSQL(opts) + ";\n" + set
 	return opts
 }
@@ -56,18 +58,18 @@ func beginSQL(opts pgx.TxOptions) string {
 // returns the live row (for a replay or a 422) without another round trip:
 // under read committed, GetKey's fresh snapshot sees the row that made the
 // claim conflict.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claimed bool, row GetKeyRow, err error) {
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
-	b.Queue(claimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds).Exec(func(ct pgconn.CommandTag) error {
 		claimed = ct.RowsAffected() == 1
 		return nil
 	})
-	b.Queue(getKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
+	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
 		return r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt)
 	})
-	b.Queue(restoreLockTimeout)
+	b.Queue(db.RestoreLockTimeout)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return false, GetKeyRow{}, err
+		return false, db.GetKeyRow{}, err
 	}
 	return claimed, row, nil
 }
