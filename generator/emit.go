@@ -136,8 +136,8 @@ func (e *emitter) qual(path, pkgName, name string) *jen.Statement {
 	return jen.Qual(path, name)
 }
 
-func (e *emitter) ctxType() *jen.Statement  { return e.qual(contextPath, "context", "Context") }
-func (e *emitter) txType() *jen.Statement   { return e.qual(pgxPath, "pgx", "Tx") }
+func (e *emitter) ctxType() *jen.Statement { return e.qual(contextPath, "context", "Context") }
+func (e *emitter) txType() *jen.Statement  { return e.qual(pgxPath, "pgx", "Tx") }
 func (e *emitter) idem(name string) *jen.Statement {
 	return e.qual(runtimePath, "idem", name)
 }
