@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -75,10 +76,16 @@ var (
 	leading   = regexp.MustCompile(`payments relay leading`)
 )
 
-// startChild runs `payments serve` on a free port with extra env.
+// startChild runs `payments serve` on a free port with extra env. Its
+// payment provider is the test's in-process one on the same schema
+// (providerFor), unless env sets PROVIDER_URL.
 func startChild(t *testing.T, dbURL string, env ...string) *child {
 	t.Helper()
-	return startProcess(t, "serve", listening, append([]string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0"}, env...)...)
+	base := []string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0"}
+	if !slices.ContainsFunc(env, func(e string) bool { return strings.HasPrefix(e, "PROVIDER_URL=") }) {
+		base = append(base, "PROVIDER_URL="+providerFor(t, dbURL).url)
+	}
+	return startProcess(t, "serve", listening, append(base, env...)...)
 }
 
 // startProcess runs `payments <subcmd>` and waits for a stderr line matching
@@ -202,11 +209,13 @@ func TestCrashAtEveryPoint(t *testing.T) {
 	points := []struct {
 		name      string
 		committed bool // the kill comes after the commit
+		charged   bool // the kill comes after the provider charged
 	}{
-		{"http.after-claim", false},
-		{"http.after-call", false},
-		{"http.before-commit", false},
-		{"http.after-commit", true},
+		{"http.after-claim", false, false},
+		{"charge.after-provider-call", false, true},
+		{"http.after-call", false, true},
+		{"http.before-commit", false, true},
+		{"http.after-commit", true, true},
 	}
 	for i, p := range points {
 		t.Run(p.name, func(t *testing.T) {
@@ -223,6 +232,9 @@ func TestCrashAtEveryPoint(t *testing.T) {
 			if want := map[bool]int64{false: 0, true: 1}[p.committed]; charges != want {
 				t.Fatalf("after the kill: %d charges, want %d", charges, want)
 			}
+			prov := providerFor(t, url)
+			charged := map[bool]int64{false: 0, true: 1}[p.charged]
+			wantCounts(t, prov, pool, order, charged, charged, charges)
 
 			// The client retries against a restarted service.
 			c2 := startChild(t, url)
@@ -240,6 +252,13 @@ func TestCrashAtEveryPoint(t *testing.T) {
 			if charges, _ := counts(t, pool, order); charges != 1 {
 				t.Fatalf("after retries: %d charges, want exactly 1", charges)
 			}
+			// The seed's double protection: the provider charged once, with
+			// one more call only if the retry ran the operation again.
+			calls := charged
+			if !p.committed {
+				calls++
+			}
+			wantCounts(t, prov, pool, order, calls, 1, 1)
 			c2.stop(t)
 		})
 	}

@@ -33,6 +33,11 @@ func runDemo(ctx context.Context, out io.Writer) error {
 		return err
 	}
 	defer pool.Close()
+	prov, err := startDemoProvider(ctx)
+	if err != nil {
+		return err
+	}
+	defer prov.stop()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
@@ -45,7 +50,7 @@ func runDemo(ctx context.Context, out io.Writer) error {
 
 	run := randomHex(4) // keys and orders are new on every run
 	c := &demoClient{base: base, out: out}
-	fmt.Fprintf(out, "payments demo: service on %s, run %s\n\n", base, run)
+	fmt.Fprintf(out, "payments demo: service on %s, payment provider on %s, run %s\n\n", base, prov.url, run)
 
 	order1, key1 := "order-"+run+"-1", "pay-"+run+"-1"
 	body1 := fmt.Sprintf(`{"order_id":%q,"amount":4200,"currency":"EUR"}`, order1)
@@ -87,22 +92,34 @@ func runDemo(ctx context.Context, out io.Writer) error {
 		fmt.Sprintf(`{"order_id":%q,"amount":700,"currency":"EUR"}`, order3))
 	c.expect(fixed.status == http.StatusCreated, "201: a failed attempt stored nothing, got %d", fixed.status)
 
-	fmt.Fprintln(out, "8. charges in the database")
-	q := db.New(pool)
-	for _, order := range []string{order1, order2, order3} {
-		count, err := q.CountCharges(ctx, order)
-		if err != nil {
-			return err
-		}
-		c.expect(count == 1, "%s charged exactly once (%d)", order, count)
+	order4, key4 := "order-"+run+"-4", "pay-"+run+"-4"
+	prov.LoseNextResponse(order4)
+	lost := c.post("8. the provider charges, but its answer to the service is lost on the way", key4,
+		fmt.Sprintf(`{"order_id":%q,"amount":2500,"currency":"EUR"}`, order4))
+	c.expect(lost.status == http.StatusCreated, "201: the service retried the provider with the same key and got the charge back, got %d", lost.status)
+
+	fmt.Fprintln(out, "9. charges at the provider and in the database")
+	httpOrders := []string{order1, order2, order3, order4}
+	if err := c.checkDoubleProtection(ctx, prov, pool, httpOrders); err != nil {
+		return err
 	}
+	calls, _, err := prov.Counts(ctx, order4)
+	if err != nil {
+		return err
+	}
+	c.expect(calls >= 2, "%s: the lost answer cost a second call (%d), not a second charge", order4, calls)
 
 	if err := srv.Shutdown(ctx); err != nil {
 		return err
 	}
 	<-served
 
-	if err := kafkaDemo(ctx, out, pool, c, run, []string{order1, order2, order3}); err != nil {
+	kafkaOrders, err := kafkaDemo(ctx, out, pool, c, run, httpOrders)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(out, "\n11. the seed's double protection, every order: the provider's key dedupe and ours")
+	if err := c.checkDoubleProtection(ctx, prov, pool, append(httpOrders, kafkaOrders...)); err != nil {
 		return err
 	}
 	if c.failed > 0 {
@@ -172,17 +189,17 @@ func randomHex(n int) string {
 // each three times, as an at-least-once producer may. Billing charges each
 // order once; every charge (the HTTP ones too) goes out through the outbox;
 // notifications sends one receipt per charge.
-func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoClient, run string, httpOrders []string) error {
+func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoClient, run string, httpOrders []string) ([]string, error) {
 	brokers, embedded := strings.Split(os.Getenv("KAFKA_BROKERS"), ","), false
 	if os.Getenv("KAFKA_BROKERS") == "" {
 		cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "orders.confirmed", "billing.charged"))
 		if err != nil {
-			return fmt.Errorf("embedded kafka: %w", err)
+			return nil, fmt.Errorf("embedded kafka: %w", err)
 		}
 		defer cluster.Close()
 		brokers, embedded = cluster.ListenAddrs(), true
 	}
-	fmt.Fprintf(out, "\n9. Kafka (%s): billing consumes orders.confirmed, the relay publishes billing.charged, notifications consumes it\n",
+	fmt.Fprintf(out, "\n10. Kafka (%s): billing consumes orders.confirmed, the relay publishes billing.charged, notifications consumes it\n",
 		map[bool]string{true: "embedded kfake broker at " + strings.Join(brokers, ","), false: "KAFKA_BROKERS=" + strings.Join(brokers, ",")}[embedded])
 
 	ctx, cancel := context.WithCancel(ctx)
@@ -190,16 +207,16 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 	defer func() { cancel(); wg.Wait() }()
 	cfg, err := consumerConfig(brokers)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	cfg.Group = "payments-demo-" + run
 	consumer, err := kafka.NewConsumer(pool, cfg)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	pub, err := kafka.NewPublisher(brokers)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer pub.Close()
 	relay := &idem.Relay{Pool: pool, Publisher: pub}
@@ -209,7 +226,7 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 
 	producer, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.AllowAutoTopicCreation())
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer producer.Close()
 	var orders []string
@@ -223,7 +240,7 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 		}
 	}
 	if err := producer.ProduceSync(ctx, recs...).FirstErr(); err != nil {
-		return fmt.Errorf("produce: %w", err)
+		return nil, fmt.Errorf("produce: %w", err)
 	}
 	fmt.Fprintf(out, "   produced %d OrderConfirmed records: 5 events, each delivered 3 times\n", len(recs))
 
@@ -247,21 +264,21 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 	for _, o := range orders {
 		charges, err := q.CountCharges(ctx, o)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		c.expect(charges == 1, "%s (3 deliveries) charged exactly once (%d)", o, charges)
 	}
 	for _, o := range all {
 		notes, err := q.CountNotifications(ctx, o)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		c.expect(notes == 1, "%s: one receipt sent via outbox → billing.charged → notifications (%d)", o, notes)
 	}
 	counts, err := idem.NewStore(pool).OutboxCounts(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	c.expect(counts["PENDING"] == 0 && counts["PUBLISHING"] == 0, "outbox drained: %v", counts)
-	return nil
+	return orders, nil
 }

@@ -21,9 +21,10 @@ import (
 // (it outlives the children the test kills), a fresh schema with the
 // service's tables, and the environment the children run with.
 type kafkaEnv struct {
-	brokers []string
-	pool    *pgxpool.Pool
-	env     []string
+	brokers  []string
+	pool     *pgxpool.Pool
+	env      []string
+	provider *testProvider
 }
 
 func newKafkaEnv(t *testing.T) *kafkaEnv {
@@ -42,8 +43,10 @@ func newKafkaEnv(t *testing.T) *kafkaEnv {
 	}
 	t.Cleanup(pool.Close)
 	brokers := cluster.ListenAddrs()
-	return &kafkaEnv{brokers: brokers, pool: pool, env: []string{
+	prov := providerFor(t, url)
+	return &kafkaEnv{brokers: brokers, pool: pool, provider: prov, env: []string{
 		"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "KAFKA_SESSION_TIMEOUT=1s",
+		"PROVIDER_URL=" + prov.url,
 	}}
 }
 
@@ -89,6 +92,7 @@ func TestConsumerCrashAfterCommitBeforeOffset(t *testing.T) {
 	if n := k.charges(t, "o-1"); n != 1 {
 		t.Fatalf("%d charges after redelivery, want 1", n)
 	}
+	wantCounts(t, k.provider, k.pool, "o-1", 1, 1, 1) // the duplicate never reached the provider
 	// The shutdown committed the offset: a third run does not see it again.
 	c = startProcess(t, "consume", consuming, k.env...)
 	time.Sleep(2 * time.Second)
@@ -115,12 +119,14 @@ func TestConsumerCrashBeforeCommit(t *testing.T) {
 	if n := pgtest.Count(t, k.pool, `SELECT count(*) FROM idem_outbox`); n != 0 {
 		t.Fatalf("%d outbox rows after the kill, want 0 (rolled back with the charge)", n)
 	}
+	wantCounts(t, k.provider, k.pool, "o-2", 1, 1, 0) // charged at the provider, rolled back here
 	c = startProcess(t, "consume", consuming, k.env...)
 	c.waitLog(t, billingOutcome("applied"))
 	c.stop(t)
 	if n := k.charges(t, "o-2"); n != 1 {
 		t.Fatalf("%d charges, want 1", n)
 	}
+	wantCounts(t, k.provider, k.pool, "o-2", 2, 1, 1) // the redelivery's call replayed
 }
 
 // The relay is SIGKILLed between producing and marking. The restarted relay

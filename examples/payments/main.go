@@ -3,6 +3,7 @@
 //
 //	go run ./examples/payments            run the demo: start the service, play a client that retries, check the database
 //	go run ./examples/payments serve      serve on $ADDR (default 127.0.0.1:8080) until SIGTERM
+//	go run ./examples/payments provider   the payment provider on $PROVIDER_ADDR (default 127.0.0.1:8081); serve calls $PROVIDER_URL
 //
 // On SIGTERM, serve drains requests for $DRAIN_TIMEOUT (default 10s), then
 // cancels the rest: their transactions roll back and a retry is safe.
@@ -52,8 +53,10 @@ func main() {
 		err = consume(ctx)
 	case "relay":
 		err = relay(ctx)
+	case "provider":
+		err = runProvider(ctx)
 	default:
-		err = fmt.Errorf("unknown command %q (want demo, serve, consume or relay)", cmd)
+		err = fmt.Errorf("unknown command %q (want demo, serve, consume, relay or provider)", cmd)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
@@ -143,7 +146,7 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 	cfg := kafka.ConsumerConfig{
 		Brokers:    brokers,
 		Group:      "payments",
-		Handlers:  IdemConsumers(&Billing{}, &Notifications{}),
+		Handlers:   IdemConsumers(&Billing{}, &Notifications{}),
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
 	}
 	// Tests shorten the session timeout so a killed member's partitions move

@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -11,6 +12,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemgen/idemgen/examples/payments/db"
+	"github.com/idemgen/idemgen/examples/payments/provider"
+	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
@@ -58,17 +61,38 @@ func (s *PaymentService) Charge(ctx context.Context, tx pgx.Tx, req ChargeReques
 	}, nil
 }
 
-// chargeOrder records a charge and announces it through the outbox, in tx.
-// The payment provider gets a key derived from the operation's own key (the
-// HTTP Idempotency-Key, or the consumed event's id): the same on every retry
-// of this operation, so the provider can deduplicate too.
+// chargeOrder charges an order at the payment provider, records the charge
+// and announces it through the outbox, in tx. The provider gets a key derived
+// from the operation's own key (the HTTP Idempotency-Key, or the consumed
+// event's id): the same on every attempt of the call and on every re-run of
+// this operation after a rollback or a crash, so the provider applies the
+// charge once even when the service's commit never happened — the seed's
+// double protection.
 func chargeOrder(ctx context.Context, tx pgx.Tx, orderID string, amount int64, currency string) (db.Charge, error) {
-	key, _ := idem.KeyFromContext(ctx)
+	providerKey, ok := idem.CallKey(ctx, providerChargeCall)
+	if !ok {
+		return db.Charge{}, fmt.Errorf("charge order %s: not inside an idempotent operation", orderID)
+	}
+	if _, err := currentProvider().charge(ctx, provider.ChargeRequest{OrderID: orderID, Amount: amount, Currency: currency}); err != nil {
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return db.Charge{}, ctxErr
+		}
+		if perr := (*providerError)(nil); errors.As(err, &perr) && perr.refused() {
+			return db.Charge{}, &idem.Error{Status: http.StatusUnprocessableEntity,
+				Detail: "the payment provider refused the charge: " + perr.body, Err: err}
+		}
+		// Nothing is stored and the key stays free: the client's retry
+		// reaches the provider with the same key.
+		return db.Charge{}, &idem.Error{Status: http.StatusBadGateway,
+			Detail: "the payment provider did not confirm the charge; retry with the same Idempotency-Key", Err: err}
+	}
+	// The provider has charged; the commit below has not happened yet.
+	crash.Point(ctx, "charge.after-provider-call")
 	charge, err := db.New(tx).InsertCharge(ctx, db.InsertChargeParams{
 		OrderID:     orderID,
 		Amount:      amount,
 		Currency:    currency,
-		ProviderKey: key.Derive("provider.charge"),
+		ProviderKey: providerKey,
 	})
 	if err != nil {
 		return db.Charge{}, fmt.Errorf("charge order %s: %w", orderID, err)

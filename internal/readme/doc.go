@@ -4,7 +4,7 @@
 //
 // The examples are found automatically: every ```go block is compiled, in a
 // package that holds the payments example (examples/payments) and a few
-// package-level variables (ctx, pool, req, mux), with the standard and
+// package-level variables (ctx, pool, req, mux, providerURL), with the standard and
 // idemgen imports available. A block with a package clause is a whole file.
 // Any other block is compiled as top-level declarations
 // if it parses as such (declarations the example package also has are

@@ -54,6 +54,7 @@ func snippets(t *testing.T, md string) []snippet {
 
 // imports are available to every example; unused ones are fine.
 const imports = `import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -72,6 +73,7 @@ const imports = `import (
 // Every import is used, so that idemgen (which reports unused imports, as
 // the compiler would) accepts the example packages.
 var (
+	_ = bytes.NewReader
 	_ = context.Background
 	_ = json.Marshal
 	_ = fmt.Sprint
@@ -89,10 +91,11 @@ var (
 // prelude declares what the examples use without declaring it.
 const prelude = `
 var (
-	ctx  = context.Background()
-	pool *pgxpool.Pool
-	req  *http.Request
-	mux  = http.NewServeMux()
+	ctx         = context.Background()
+	pool        *pgxpool.Pool
+	req         *http.Request
+	mux         = http.NewServeMux()
+	providerURL = "http://127.0.0.1:8081"
 )
 
 type Order struct{ ID string }
@@ -123,7 +126,9 @@ func TestREADMEExamplesCompile(t *testing.T) {
 		t.Fatal(err)
 	}
 	requires := string(gomod[strings.Index(string(gomod), "require"):])
-	writeFile(t, filepath.Join(mod, "go.mod"), "module example.com/readme\n\ngo 1.26\n\n"+
+	// The module path lies under this repository's, so the copied example
+	// may import its internal packages (internal/crash).
+	writeFile(t, filepath.Join(mod, "go.mod"), "module github.com/idemgen/idemgen/internal/readme/examples\n\ngo 1.26\n\n"+
 		"require github.com/idemgen/idemgen v0.0.0-00010101000000-000000000000\n\n"+
 		"replace github.com/idemgen/idemgen => "+root+"\n\n"+requires)
 	sum, err := os.ReadFile(filepath.Join(root, "go.sum"))
