@@ -613,6 +613,7 @@ func checkCollisions(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 		}
 	}
 	scopes := map[string]*httpFunc{}
+	mux := http.NewServeMux() // every route so far that registered cleanly
 	for i, f := range m.https {
 		collide(f.pos, "http", f.name, f.handlerName(), lookup(&f.wrapped, f.handlerName()))
 		if prev, dup := scopes[f.scope]; dup {
@@ -620,12 +621,20 @@ func checkCollisions(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 		} else {
 			scopes[f.scope] = f
 		}
+		if f.route == "" || register(mux, f.route) == "" {
+			continue
+		}
+		// It conflicts with an earlier route: find which (only now, so
+		// that the common case costs one registration per route).
 		for _, prev := range m.https[:i] {
 			if prev.route != "" && prev.route == f.route {
 				errs.add(f.pos, "route %q is already served by %s (%s)", f.route, prev.name, errs.rel(prev.pos))
 				break
 			}
-			if why := routeConflict(prev.route, f.route); why != "" {
+			if prev.route == "" {
+				continue
+			}
+			if why := register(muxWith(prev.route), f.route); why != "" {
 				errs.add(f.pos, "route %q conflicts with route %q of %s (%s): %s", f.route, prev.route, prev.name, errs.rel(prev.pos), why)
 				break
 			}
@@ -657,14 +666,11 @@ func checkCollisions(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 	}
 }
 
-// routeConflict says why http.ServeMux would refuse to register both
-// patterns a and b on one mux (it panics at start-up), or "". ServeMux is
-// the judge, so its rules (wildcard names do not matter, a more specific
-// pattern wins) apply exactly.
-func routeConflict(a, b string) (why string) {
-	if a == "" || b == "" {
-		return ""
-	}
+// register registers pattern on mux and says why http.ServeMux refuses it
+// (it panics, as it would at start-up), or "". ServeMux is the judge, so its
+// rules (wildcard names do not matter, a more specific pattern wins) apply
+// exactly.
+func register(mux *http.ServeMux, pattern string) (why string) {
 	defer func() {
 		if r := recover(); r != nil {
 			// After its first line (which names where each pattern was
@@ -677,10 +683,15 @@ func routeConflict(a, b string) (why string) {
 			why = "http.ServeMux would panic registering both: " + strings.Join(strings.Fields(msg), " ")
 		}
 	}()
-	mux := http.NewServeMux()
-	mux.Handle(a, http.NotFoundHandler())
-	mux.Handle(b, http.NotFoundHandler())
+	mux.Handle(pattern, http.NotFoundHandler())
 	return ""
+}
+
+// muxWith returns a ServeMux with pattern registered.
+func muxWith(pattern string) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle(pattern, http.NotFoundHandler())
+	return mux
 }
 
 // hasInvalid reports whether t mentions an invalid type (the result of a
