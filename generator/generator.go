@@ -7,6 +7,7 @@ package generator
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"go/ast"
 	"go/token"
@@ -76,7 +77,13 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 		patterns = []string{"."}
 	}
 	bc := newBuildConfig(cfg)
-	pkgs, err := load(ctx, cfg, bc, patterns, nil)
+	pkgs, err := loadLikeVet(ctx, cfg, bc, patterns)
+	if ctx.Value(goPackagesOnly{}) != nil {
+		err = errSlowPath // tests compare both loaders
+	}
+	if errors.Is(err, errSlowPath) {
+		pkgs, err = load(ctx, cfg, bc, patterns, nil)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -140,6 +147,10 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	sort.Slice(files, func(i, j int) bool { return files[i].Path < files[j].Path })
 	return files, nil
 }
+
+// goPackagesOnly is a context key that makes Generate load with go/packages
+// only; tests use it to check that both loaders give the same result.
+type goPackagesOnly struct{}
 
 const loadMode = packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles |
 	packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo

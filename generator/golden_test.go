@@ -3,6 +3,7 @@ package generator_test
 import (
 	"context"
 	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -124,6 +125,22 @@ func TestGolden(t *testing.T) {
 					warnings.WriteString(e.Error() + "\n")
 				}}
 				files, err := generator.Generate(context.Background(), cfg, ".")
+				// go/packages, the loader for the unusual cases, gives the
+				// same files, errors and warnings as the fast loader.
+				fastWarnings := warnings.String()
+				warnings.Reset()
+				slowFiles, slowErr := generator.Generate(generator.WithGoPackagesLoader(context.Background()), cfg, ".")
+				if diff := cmp.Diff(fmt.Sprint(slowErr), fmt.Sprint(err)); diff != "" {
+					t.Errorf("errors of the go/packages loader (-) and the fast loader (+) differ:\n%s", diff)
+				}
+				if diff := cmp.Diff(slowFiles, files); diff != "" {
+					t.Errorf("files of the go/packages loader (-) and the fast loader (+) differ:\n%s", diff)
+				}
+				if fastWarnings != warnings.String() {
+					t.Errorf("warnings differ: fast loader:\n%s\ngo/packages:\n%s", fastWarnings, warnings.String())
+				}
+				warnings.Reset()
+				warnings.WriteString(fastWarnings)
 				got := map[int][]byte{}
 				if err != nil {
 					if wantErrs < 0 {
