@@ -65,16 +65,16 @@ func emit(m *pkgModel, g *group) ([]byte, error) {
 		e.enqueue(t)
 	}
 
+	// jennifer renders unformatted; finish formats once, after regrouping
+	// the imports.
 	var buf bytes.Buffer
+	e.f.NoFormat = true
 	if err := e.f.Render(&buf); err != nil {
-		buf.Reset()
-		e.f.NoFormat = true
-		_ = e.f.Render(&buf)
-		return buf.Bytes(), fmt.Errorf("generated code for %s does not gofmt (an idemgen bug): %w", m.path, err)
+		return buf.Bytes(), fmt.Errorf("render generated code for %s (an idemgen bug): %w", m.path, err)
 	}
 	src, err := finish(buf.Bytes(), g.buildLine())
 	if err != nil {
-		return buf.Bytes(), fmt.Errorf("generated code for %s: %w (an idemgen bug)", m.path, err)
+		return buf.Bytes(), fmt.Errorf("generated code for %s does not gofmt (an idemgen bug): %w", m.path, err)
 	}
 	return src, nil
 }
@@ -601,11 +601,11 @@ func (e *emitter) duration(d time.Duration) jen.Code {
 // the way goimports does (standard library, a blank line, the rest), which
 // jennifer does not; it returns gofmt'ed source.
 func finish(src []byte, buildLine string) ([]byte, error) {
-	header := "// " + Header + "\n\n"
+	header := "// " + Header + "\n"
 	if !bytes.HasPrefix(src, []byte(header)) {
 		return nil, fmt.Errorf("rendered file does not start with the header")
 	}
-	src = append([]byte(header+buildLine+"\n\n"), src[len(header):]...)
+	src = append([]byte(header+"\n"+buildLine+"\n\n"), bytes.TrimLeft(src[len(header):], "\n")...)
 
 	fset := token.NewFileSet()
 	f, err := parser.ParseFile(fset, "", src, parser.ParseComments|parser.ImportsOnly)

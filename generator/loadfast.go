@@ -61,32 +61,7 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 			}
 		}
 	}
-	sort.Strings(depIDs)
 	exports := map[string]string{} // ID → export data file
-	if len(depIDs) > 0 {
-		deps, err := packages.Load(&packages.Config{
-			Context:    ctx,
-			Mode:       packages.NeedName | packages.NeedExportFile,
-			Dir:        cfg.Dir,
-			Env:        cfg.Env,
-			BuildFlags: bc.loadFlags,
-		}, depIDs...)
-		if err != nil {
-			return nil, fmt.Errorf("load dependencies of %s: %w", strings.Join(patterns, " "), err)
-		}
-		for _, d := range deps {
-			if len(d.Errors) > 0 || d.ExportFile == "" {
-				return nil, errSlowPath
-			}
-			exports[d.ID] = d.ExportFile
-		}
-		for _, id := range depIDs {
-			if exports[id] == "" {
-				return nil, errSlowPath
-			}
-		}
-	}
-
 	fset := token.NewFileSet()
 	sizes := types.SizesFor("gc", bc.ctx.GOARCH)
 	var mu sync.Mutex // guards imported and fset's use by gcexportdata
@@ -109,8 +84,9 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 		return gcexportdata.Read(r, fset, imported, id)
 	}
 
-	// Parse every package's files (in parallel), then type-check the
-	// packages in import order, each once.
+	// Parse every package's files in parallel, while go list finds the
+	// dependencies' export data; then type-check the packages in import
+	// order, each once.
 	var wg sync.WaitGroup
 	for _, p := range meta {
 		p.Fset = fset
@@ -134,6 +110,34 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 			}()
 		}
 	}
+	sort.Strings(depIDs)
+	if len(depIDs) > 0 {
+		deps, err := packages.Load(&packages.Config{
+			Context:    ctx,
+			Mode:       packages.NeedName | packages.NeedExportFile,
+			Dir:        cfg.Dir,
+			Env:        cfg.Env,
+			BuildFlags: bc.loadFlags,
+		}, depIDs...)
+		if err != nil {
+			wg.Wait()
+			return nil, fmt.Errorf("load dependencies of %s: %w", strings.Join(patterns, " "), err)
+		}
+		for _, d := range deps {
+			if len(d.Errors) > 0 || d.ExportFile == "" {
+				wg.Wait()
+				return nil, errSlowPath
+			}
+			exports[d.ID] = d.ExportFile
+		}
+		for _, id := range depIDs {
+			if exports[id] == "" {
+				wg.Wait()
+				return nil, errSlowPath
+			}
+		}
+	}
+
 	wg.Wait()
 
 	done := map[string]bool{}
