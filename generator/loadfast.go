@@ -35,7 +35,7 @@ var errSlowPath = errors.New("use go/packages")
 func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []string) ([]*packages.Package, error) {
 	meta, err := packages.Load(&packages.Config{
 		Context:    ctx,
-		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles | packages.NeedImports | packages.NeedModule,
+		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
 		Dir:        cfg.Dir,
 		Env:        cfg.Env,
 		BuildFlags: bc.loadFlags,
@@ -50,12 +50,33 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 		}
 		roots[p.ID] = p
 	}
+	// A dependency that itself imports one of the packages loaded from
+	// source would bring a second, export-data copy of that package's types
+	// (go/packages then loads the dependency from source too).
+	reaches := map[string]bool{}
+	var reachesRoot func(p *packages.Package) bool
+	reachesRoot = func(p *packages.Package) bool {
+		if r, ok := reaches[p.ID]; ok {
+			return r
+		}
+		reaches[p.ID] = false // cycles are reported by go list
+		for _, imp := range p.Imports {
+			if roots[imp.ID] != nil || reachesRoot(imp) {
+				reaches[p.ID] = true
+				return true
+			}
+		}
+		return false
+	}
 	// The direct dependencies that are not loaded from source.
 	var depIDs []string
 	seen := map[string]bool{}
 	for _, p := range meta {
 		for _, imp := range p.Imports {
 			if roots[imp.ID] == nil && imp.ID != "unsafe" && !seen[imp.ID] {
+				if reachesRoot(imp) {
+					return nil, errSlowPath
+				}
 				seen[imp.ID] = true
 				depIDs = append(depIDs, imp.ID)
 			}
