@@ -216,7 +216,7 @@ func (e *emitter) httpHandler(h *httpFunc) {
 	}
 	if h.wait != nil {
 		if *h.wait == 0 {
-			fields = append(fields, field("Wait", e.idem("NoWait")))
+			fields = append(fields, field("NoWait", jen.True()))
 		} else {
 			fields = append(fields, field("Wait", e.duration(*h.wait)))
 		}
@@ -242,10 +242,11 @@ func (e *emitter) httpHandler(h *httpFunc) {
 //
 //	// RegisterIdemRoutes registers every routed //idem:http handler of this package on mux.
 //	func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *PaymentService) {
-//		mux.Handle("POST /payments", paymentService.ChargeHandler(h))
+//		idem.HandleRoute(mux, "POST /payments", paymentService.ChargeHandler(h))
 //	}
 //
-// with one parameter per receiver type, in order of first appearance.
+// with one parameter per receiver type, in order of first appearance
+// (HandleRoute answers a wrong method with a problem+json 405).
 func (e *emitter) registerRoutes() {
 	mux, h := e.locals["mux"], e.locals["h"]
 	rp := e.newRecvParams()
@@ -254,7 +255,7 @@ func (e *emitter) registerRoutes() {
 		if f.route == "" {
 			continue
 		}
-		body = append(body, jen.Id(mux).Dot("Handle").Call(jen.Lit(f.route), rp.target(&f.wrapped, f.handlerName()).Call(jen.Id(h))))
+		body = append(body, e.idem("HandleRoute").Call(jen.Id(mux), jen.Lit(f.route), rp.target(&f.wrapped, f.handlerName()).Call(jen.Id(h))))
 	}
 	if len(body) == 0 {
 		return

@@ -58,6 +58,7 @@ const imports = `import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log"
 	"net/http"
 	"os"
 	"time"
@@ -77,6 +78,7 @@ var (
 	_ = context.Background
 	_ = json.Marshal
 	_ = fmt.Sprint
+	_ = log.Println
 	_ = http.NewServeMux
 	_ = os.Getenv
 	_ = time.Now

@@ -13,7 +13,8 @@ import (
 
 const ClaimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
-VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5::float8))
+SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
+WHERE pg_try_advisory_xact_lock($6::bigint)
 ON CONFLICT (scope, principal, key) DO UPDATE
 SET fingerprint = EXCLUDED.fingerprint,
     status_code = 0,
@@ -30,12 +31,17 @@ type ClaimKeyParams struct {
 	Key         string
 	Fingerprint []byte
 	TtlSeconds  float64
+	LockID      int64
 }
 
-// Claims (scope, principal, key) for this transaction. Returns 1 row when the
-// key is new or its previous row has expired (the expired row is taken over),
-// 0 when a live row exists. A concurrent uncommitted claim makes this wait
-// until that transaction ends (bounded by lock_timeout).
+// Claims (scope, principal, key) for this transaction. The transaction-scoped
+// advisory lock on @lock_id (a 64-bit hash of the key, see idem.Key) is the
+// in-flight marker: only its holder may insert or take over the row, so this
+// statement never waits on a concurrent claim of the same key. It returns 1
+// row when the key is new or its previous row has expired (the expired row is
+// taken over), 0 when the lock is held elsewhere (the key is in flight) or a
+// live row exists (GetKey tells which). Any wait here is on something else (a
+// table lock, a purge holding an expired row), bounded by lock_timeout.
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, ClaimKey,
 		arg.Scope,
@@ -43,6 +49,7 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 		arg.Key,
 		arg.Fingerprint,
 		arg.TtlSeconds,
+		arg.LockID,
 	)
 	if err != nil {
 		return 0, err
@@ -238,8 +245,52 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 	return err
 }
 
+const GetDeadLetter = `-- name: GetDeadLetter :one
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
+FROM idem_dead_letters
+WHERE id = $1
+`
+
+type GetDeadLetterRow struct {
+	ID           int64
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	Attempts     int32
+	LastError    string
+	CreatedAt    pgtype.Timestamptz
+	ReplayedAt   pgtype.Timestamptz
+}
+
+func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (GetDeadLetterRow, error) {
+	row := q.db.QueryRow(ctx, GetDeadLetter, id)
+	var i GetDeadLetterRow
+	err := row.Scan(
+		&i.ID,
+		&i.Context,
+		&i.Topic,
+		&i.Kpartition,
+		&i.Koffset,
+		&i.RecordKey,
+		&i.Value,
+		&i.HeaderKeys,
+		&i.HeaderValues,
+		&i.Attempts,
+		&i.LastError,
+		&i.CreatedAt,
+		&i.ReplayedAt,
+	)
+	return i, err
+}
+
 const GetKey = `-- name: GetKey :one
-SELECT fingerprint, status_code, headers, body, expires_at
+SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
 `
@@ -256,8 +307,10 @@ type GetKeyRow struct {
 	Headers     []byte
 	Body        []byte
 	ExpiresAt   pgtype.Timestamptz
+	Live        bool
 }
 
+// live is false for an expired row: one being taken over is still in flight.
 func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, error) {
 	row := q.db.QueryRow(ctx, GetKey, arg.Scope, arg.Principal, arg.Key)
 	var i GetKeyRow
@@ -267,28 +320,46 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 		&i.Headers,
 		&i.Body,
 		&i.ExpiresAt,
+		&i.Live,
 	)
 	return i, err
 }
 
+const GetSchemaVersion = `-- name: GetSchemaVersion :one
+SELECT digest FROM idem_schema_version WHERE singleton
+`
+
+func (q *Queries) GetSchemaVersion(ctx context.Context) (string, error) {
+	row := q.db.QueryRow(ctx, GetSchemaVersion)
+	var digest string
+	err := row.Scan(&digest)
+	return digest, err
+}
+
 const InsertDeadLetter = `-- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES ($1, $2, $3, $4, $5, $6, $7::bytea[], $8::bytea[],
+        $9, $10, $11)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING
 `
 
 type InsertDeadLetterParams struct {
-	Context    string
-	Topic      string
-	Kpartition int32
-	Koffset    int64
-	RecordKey  []byte
-	Value      []byte
-	Headers    []byte
-	Attempts   int32
-	LastError  string
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	RecordDigest []byte
+	Attempts     int32
+	LastError    string
 }
 
+// A conflict is the same record (same bytes, same position) delivered again
+// after a crash between the dead-letter commit and the offset commit.
 func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
 	_, err := q.db.Exec(ctx, InsertDeadLetter,
 		arg.Context,
@@ -297,7 +368,9 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 		arg.Koffset,
 		arg.RecordKey,
 		arg.Value,
-		arg.Headers,
+		arg.HeaderKeys,
+		arg.HeaderValues,
+		arg.RecordDigest,
 		arg.Attempts,
 		arg.LastError,
 	)
@@ -384,6 +457,21 @@ LISTEN idem_outbox
 func (q *Queries) ListenOutbox(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, ListenOutbox)
 	return err
+}
+
+const MarkDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = $1 AND replayed_at IS NULL
+`
+
+// Runs in the replay's transaction, first: the row lock serializes concurrent
+// replays of one dead letter, and a replayed one is not replayed again.
+func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, MarkDeadLetterReplayed, id)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const MarkOutboxFailed = `-- name: MarkOutboxFailed :execrows
@@ -497,6 +585,23 @@ func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
 	return result.RowsAffected(), nil
 }
 
+const RecordDeadLetterFailure = `-- name: RecordDeadLetterFailure :exec
+UPDATE idem_dead_letters SET attempts = attempts + $1, last_error = $2
+WHERE id = $3 AND replayed_at IS NULL
+`
+
+type RecordDeadLetterFailureParams struct {
+	Attempts  int32
+	LastError string
+	ID        int64
+}
+
+// A replay that failed again: the dead letter stays, with the new error.
+func (q *Queries) RecordDeadLetterFailure(ctx context.Context, arg RecordDeadLetterFailureParams) error {
+	_, err := q.db.Exec(ctx, RecordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
+	return err
+}
+
 const ResetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
@@ -523,6 +628,18 @@ func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
 	return err
 }
 
+const SetConnectionCheck = `-- name: SetConnectionCheck :exec
+SELECT set_config('client_connection_check_interval', $1::text, true)
+`
+
+// Makes the backend check, during long statements and lock waits too, that
+// the client is still connected, so a killed process frees its keys within
+// the interval instead of when the statement ends. Transaction-scoped.
+func (q *Queries) SetConnectionCheck(ctx context.Context, interval string) error {
+	_, err := q.db.Exec(ctx, SetConnectionCheck, interval)
+	return err
+}
+
 const SetLockTimeout = `-- name: SetLockTimeout :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', $1::text, true)
@@ -533,6 +650,27 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 // put it back: the wait bound must not leak into the handler's own queries.
 func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error {
 	_, err := q.db.Exec(ctx, SetLockTimeout, lockTimeout)
+	return err
+}
+
+const SetMigrateLockTimeout = `-- name: SetMigrateLockTimeout :exec
+SELECT set_config('lock_timeout', $1::text, true)
+`
+
+// Bounds how long Migrate's DDL queues for a table lock behind running
+// requests (and makes new requests queue behind it) before it backs off.
+func (q *Queries) SetMigrateLockTimeout(ctx context.Context, lockTimeout string) error {
+	_, err := q.db.Exec(ctx, SetMigrateLockTimeout, lockTimeout)
+	return err
+}
+
+const SetSchemaVersion = `-- name: SetSchemaVersion :exec
+INSERT INTO idem_schema_version (digest) VALUES ($1)
+ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = now()
+`
+
+func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
+	_, err := q.db.Exec(ctx, SetSchemaVersion, digest)
 	return err
 }
 
