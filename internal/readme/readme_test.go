@@ -95,6 +95,7 @@ const prelude = `
 var (
 	ctx         = context.Background()
 	pool        *pgxpool.Pool
+	store       *idem.Store
 	req         *http.Request
 	mux         = http.NewServeMux()
 	providerURL = "http://127.0.0.1:8081"
