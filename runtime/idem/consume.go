@@ -389,6 +389,12 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 	stop := context.AfterFunc(ctx, func() { time.AfterFunc(commitGrace, cancel) })
 	defer stop()
 	if err := tx.Commit(cctx); err != nil {
+		if commitRefusedByWrites(err) {
+			// The database answered: it is the handler's writes (or what the
+			// handler did to its transaction) it refused, the record's
+			// failure. Waiting it out as an outage retried it forever.
+			return fmt.Errorf("commit refused the handler's transaction: %w", err)
+		}
 		return &storageError{op: "commit", err: err}
 	}
 	return nil

@@ -97,6 +97,28 @@ func isDataError(err error) bool {
 	return strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "54")
 }
 
+// commitRefusedByWrites reports whether a COMMIT failed because of what the
+// handler did in the transaction, while the database answered normally:
+//   - pgx.ErrTxCommitRollback: the transaction was aborted by a statement
+//     whose error the handler swallowed, so COMMIT answered ROLLBACK;
+//   - pgx.ErrTxClosed: the handler committed or rolled back the transaction
+//     itself;
+//   - any PgError that is not an outage (isOutageError): a deferred
+//     constraint or a deferred trigger refusing the handler's writes (class
+//     23, P0001, ...).
+//
+// Each recurs on every attempt with the database healthy, so it is the
+// record's failure: it uses the budget and ends as a dead letter. A network
+// error, a timeout or an outage SQLSTATE (40001 at COMMIT of a serializable
+// transaction, 57P01, 53100 disk full, ...) stays an outage.
+func commitRefusedByWrites(err error) bool {
+	if errors.Is(err, pgx.ErrTxCommitRollback) || errors.Is(err, pgx.ErrTxClosed) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && !isOutageError(err)
+}
+
 // isOutageError reports whether an error returned by a handler is
 // PostgreSQL failing rather than the handler: connection exceptions (08),
 // shutdown and cancellation (57P01-03, 57014, as statement_timeout),
@@ -105,16 +127,24 @@ func isDataError(err error) bool {
 // retry" and connect errors. Plain network errors are deliberately not on
 // the list: a handler's downstream HTTP call failing is the record's failure
 // and uses its budget; only the database's connection dying (seen through
-// the transaction's closed connection) is an outage.
+// the transaction's closed connection) is an outage. Nor is a statement run
+// on a context the handler itself cancelled or let expire (pgconn calls that
+// "safe to retry" because nothing was sent, but it fails again on every
+// attempt while the database is healthy); the processor's own cancellation
+// is seen before any error is classified. System errors (58, XX) are the
+// server's.
 func isOutageError(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch c := pgErr.Code; {
-		case strings.HasPrefix(c, "08"), strings.HasPrefix(c, "53"):
+		case strings.HasPrefix(c, "08"), strings.HasPrefix(c, "53"), strings.HasPrefix(c, "58"), strings.HasPrefix(c, "XX"):
 			return true
 		case c == "57P01", c == "57P02", c == "57P03", c == "57014", c == "40001", c == "40P01", c == "55P03":
 			return true
 		}
+		return false
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	var ce *pgconn.ConnectError
