@@ -43,7 +43,8 @@ type ConsumerConfig struct {
 	// StorageTimeout bounds each of the processor's own statements (see
 	// idem.ProcessorConfig). Default 10s.
 	StorageTimeout time.Duration
-	// CommitInterval is how often marked offsets are committed (default 1s).
+	// CommitInterval is how often marked offsets are committed (default 1s,
+	// at least 100ms, kgo's minimum).
 	// Offsets are also committed on partition revocation and on shutdown.
 	CommitInterval time.Duration
 	// MaxPollRecords bounds the records handled per poll (default 500).
@@ -92,6 +93,11 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	if cfg.BatchSize < 0 || cfg.MaxPollRecords < 0 || cfg.CommitInterval < 0 {
 		return nil, errors.New("kafka consumer: BatchSize, MaxPollRecords and CommitInterval must not be negative")
 	}
+	// kgo refuses an autocommit interval below 100ms, but only when Run
+	// opens the client; refuse it here, where the config is validated.
+	if cfg.CommitInterval > 0 && cfg.CommitInterval < minCommitInterval {
+		return nil, fmt.Errorf("kafka consumer: CommitInterval %v is below the minimum %v", cfg.CommitInterval, minCommitInterval)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -131,6 +137,9 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	}
 	return c, nil
 }
+
+// minCommitInterval is kgo's lower bound on AutoCommitInterval.
+const minCommitInterval = 100 * time.Millisecond
 
 // errRebalancePending is the cause of a poll's context cancelled because a
 // rebalance is waiting for it.
