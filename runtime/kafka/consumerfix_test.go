@@ -323,3 +323,37 @@ func TestNewConsumerRefusesCommitIntervalKgoRefuses(t *testing.T) {
 		t.Fatalf("CommitInterval 100ms: %v", err)
 	}
 }
+
+// The database blackholed while the consumer is idle, then records arrive:
+// BEGIN on the pool's open connections gets no answer and times out
+// (StorageTimeout) again and again, for longer than the whole budget. No
+// valid record may be dead-lettered. (TestDBFaultsDuringConsume's cut and
+// blackhole modes fault a connection the handler holds, which surfaces as
+// the handler's closed connection; this one makes the processor's own
+// statements time out.)
+func TestDBBlackholeBeforeRecordsArrive(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "orders")
+	direct, proxied, px := faultDB(t)
+	produceOrders(t, addrs, 1, 3, "bh-warm")
+	var out outcomes
+	cfg := faultConfig(addrs, orderConsumer("orders", applyOrder))
+	cfg.OnRecord = out.record
+	r := startConsumerOn(t, proxied, cfg)
+	waitBounded(t, 20*time.Second, "warm-up records", func() bool { return out.total() == 3 })
+	px.Blackhole()
+	produceOrders(t, addrs, 1, 5, "bh")
+	time.Sleep(2 * time.Second) // 4× StorageTimeout, budget of 1 attempt
+	if e := count(t, direct, `SELECT count(*) FROM effects`); e != 3 {
+		t.Fatalf("%d effects during the blackhole, want 3", e)
+	}
+	px.Restore()
+	waitBounded(t, 30*time.Second, "every record after the blackhole", func() bool { return out.total() == 8 })
+	r.shutdown(t)
+	if e, d := count(t, direct, `SELECT count(*) FROM effects`), count(t, direct, `SELECT count(*) FROM idem_dead_letters`); e != 8 || d != 0 {
+		t.Fatalf("%d effects (want 8), %d dead letters (want 0)", e, d)
+	}
+	if got := committedOffsets(t, addrs, "g", "orders", 1)[0]; got != 8 {
+		t.Fatalf("committed offset %d, want 8", got)
+	}
+}
