@@ -16,8 +16,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
@@ -355,5 +357,131 @@ func TestDBBlackholeBeforeRecordsArrive(t *testing.T) {
 	}
 	if got := committedOffsets(t, addrs, "g", "orders", 1)[0]; got != 8 {
 		t.Fatalf("committed offset %d, want 8", got)
+	}
+}
+
+// Two members of one group, one of them cut from PostgreSQL (blackhole). The
+// cut member keeps its partitions (its Kafka session is healthy) and waits;
+// the other goes on with its own. After recovery every event is applied
+// once, nothing is dead-lettered, committed offsets are the ends.
+func TestTwoMembersOneBlackholed(t *testing.T) {
+	t.Parallel()
+	const partitions = 4
+	addrs := cluster(t, partitions, "orders")
+	direct, proxied, px := faultDB(t)
+	produceOrders(t, addrs, partitions, 40, "tm-a")
+	var a, b outcomes
+	logsA, logsB := &capture{}, &capture{}
+	cfg := faultConfig(addrs, orderConsumer("orders", applyOrder))
+	cfg.OnRecord, cfg.Logger = a.record, slog.New(logsA)
+	ra := startConsumerOn(t, proxied, cfg)
+	cfg.OnRecord, cfg.Logger = b.record, slog.New(logsB)
+	rb := startConsumerOn(t, direct, cfg)
+	waitBounded(t, 30*time.Second, "the first 40 applied", func() bool { return count(t, direct, `SELECT count(*) FROM effects`) == 40 })
+	waitBounded(t, 30*time.Second, "both members assigned", func() bool {
+		return logsA.has("partitions assigned", "orders") && logsB.has("partitions assigned", "orders")
+	})
+	px.Blackhole()
+	bBefore := b.total()
+	produceOrders(t, addrs, partitions, 40, "tm-b")
+	time.Sleep(3 * time.Second)
+	during := count(t, direct, `SELECT count(*) FROM effects WHERE event_id LIKE 'tm-b-%'`)
+	t.Logf("during A's blackhole: %d of 40 new events applied (B: %d new outcomes)", during, b.total()-bBefore)
+	px.Restore()
+	waitBounded(t, 30*time.Second, "all 80 applied", func() bool { return count(t, direct, `SELECT count(*) FROM effects`) >= 80 })
+	ra.shutdown(t)
+	rb.shutdown(t)
+	if e, de, d := count(t, direct, `SELECT count(*) FROM effects`), count(t, direct, `SELECT count(DISTINCT event_id) FROM effects`),
+		count(t, direct, `SELECT count(*) FROM idem_dead_letters`); e != 80 || de != 80 || d != 0 {
+		t.Fatalf("%d effects, %d distinct (want 80 once each), %d dead letters", e, de, d)
+	}
+	if got, want := committedOffsets(t, addrs, "g", "orders", partitions), endOffsets(t, addrs, "orders", partitions); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("committed offsets %v, want %v", got, want)
+	}
+}
+
+// A topic deleted and re-created while the consumer runs. kgo refuses to
+// consume the new instance (UNKNOWN_TOPIC_ID) until the topic is purged and
+// added back; before the fix the consumer polled in a hot loop (≈14,000
+// "fetch error" lines a second) and never consumed the new topic. The new
+// topic gets more records than the old one had, so a recovery that kept the
+// old committed offset (10) would skip its first ten.
+func TestTopicRecreatedWhileConsuming(t *testing.T) {
+	t.Parallel()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	addrs := c.ListenAddrs()
+	pool := db(t)
+	produceOrders(t, addrs, 1, 10, "old")
+	var out outcomes
+	logs := &capture{}
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)},
+		CommitInterval: 100 * time.Millisecond, Logger: slog.New(logs)}, &out)
+	waitBounded(t, 20*time.Second, "the old topic consumed", func() bool { return out.total() == 10 })
+	waitBounded(t, 20*time.Second, "the old topic committed", func() bool { return committedOffsets(t, addrs, "g", "orders", 1)[0] == 10 })
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	kmsgCreateTopic(t, adm, "orders", 1)
+	produceOrders(t, addrs, 1, 15, "new")
+	waitBounded(t, 60*time.Second, "the re-created topic's records", func() bool {
+		return count(t, pool, `SELECT count(*) FROM effects WHERE event_id LIKE 'new-%'`) == 15
+	})
+	waitBounded(t, 20*time.Second, "the new topic committed", func() bool { return committedOffsets(t, addrs, "g", "orders", 1)[0] == 15 })
+	r.shutdown(t)
+	logs.mu.Lock()
+	defer logs.mu.Unlock()
+	fetchErrors := 0
+	for _, l := range logs.lines {
+		if strings.HasPrefix(l, "fetch error") {
+			fetchErrors++
+		}
+	}
+	if fetchErrors > 20 {
+		t.Fatalf("%d fetch error lines: the poll loop spins", fetchErrors)
+	}
+}
+
+func kmsgDeleteTopic(t *testing.T, cl *kgo.Client, topic string) {
+	t.Helper()
+	req := kmsg.NewPtrDeleteTopicsRequest()
+	rt := kmsg.NewDeleteTopicsRequestTopic()
+	rt.Topic = kmsg.StringPtr(topic)
+	req.Topics = append(req.Topics, rt)
+	req.TopicNames = []string{topic}
+	req.TimeoutMillis = 5000
+	resp, err := req.RequestWith(context.Background(), cl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tr := range resp.Topics {
+		if err := kerr.ErrorForCode(tr.ErrorCode); err != nil {
+			t.Fatalf("delete topic: %v", err)
+		}
+	}
+}
+
+func kmsgCreateTopic(t *testing.T, cl *kgo.Client, topic string, partitions int32) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		req := kmsg.NewPtrCreateTopicsRequest()
+		rt := kmsg.NewCreateTopicsRequestTopic()
+		rt.Topic, rt.NumPartitions, rt.ReplicationFactor = topic, partitions, 1
+		req.Topics = append(req.Topics, rt)
+		req.TimeoutMillis = 5000
+		resp, err := req.RequestWith(context.Background(), cl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = kerr.ErrorForCode(resp.Topics[0].ErrorCode)
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("create topic: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
