@@ -1,15 +1,19 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -257,5 +261,103 @@ func TestReplayOfAppliedEventIsDuplicate(t *testing.T) {
 	}
 	if dl.ReplayedAt.IsZero() || pgtest.Count(t, pool, `SELECT count(*) FROM effects`) != 1 {
 		t.Fatalf("replayed_at %v, effects %d", dl.ReplayedAt, pgtest.Count(t, pool, `SELECT count(*) FROM effects`))
+	}
+}
+
+// A handler that fails with a serialization failure forever is waited out
+// (by design: it is the database's failure) but with backoff, logged at
+// every try, never in a hot loop.
+func TestEndlessSerializationFailureBacksOff(t *testing.T) {
+	t.Parallel()
+	_, store := consumeDB(t)
+	var logs lockedBuffer
+	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		Retry:  idem.RetryPolicy{MaxAttempts: 1},
+		Outage: idem.Backoff{Initial: 10 * time.Millisecond, Max: 200 * time.Millisecond},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	h := handler(func(context.Context, pgx.Tx, event) error {
+		calls.Add(1)
+		return &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
+	})
+	o, err := processWithin(p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"s","amount":1}`)}, 1500*time.Millisecond)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Process = %v, %v; want it still waiting when its context ends", o, err)
+	}
+	// 1.5 s of backoff from 10 ms doubling to 200 ms is about a dozen tries;
+	// a hot loop makes thousands.
+	if n := calls.Load(); n < 3 || n > 60 {
+		t.Fatalf("handler ran %d times in 1.5 s", n)
+	}
+	if n := int64(strings.Count(logs.String(), "storage unavailable; waiting, no attempt used")); n < calls.Load()-1 {
+		t.Fatalf("%d log lines for %d tries: the wait is not observable", n, calls.Load())
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for a logger and a reader.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// In batch mode a failing handler ran once more than its budget (the failed
+// batch attempt, then MaxAttempts one by one), against RetryPolicy's
+// "MaxAttempts is how many times the handler runs". The batch run counts.
+func TestBatchHandlerFailureUsesTheBudget(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	p := processor(t, store, 2)
+	var calls atomic.Int64
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if e.Amount < 0 {
+			calls.Add(1)
+			return errors.New("refused")
+		}
+		return insertEffect(ctx, tx, e)
+	})
+	recs := []*idem.Record{
+		{Topic: "events", Offset: 0, Value: []byte(`{"id":"f0","amount":1}`)},
+		{Topic: "events", Offset: 1, Value: []byte(`{"id":"f1","amount":-1}`)},
+		{Topic: "events", Offset: 2, Value: []byte(`{"id":"f2","amount":1}`)},
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	outs, err := p.ProcessBatch(ctx, &h, recs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if calls.Load() != 2 || fmt.Sprint(outs) != "[applied dead-lettered applied]" {
+		t.Fatalf("failing handler ran %d times with MaxAttempts 2 in batch mode (want 2), outcomes %v", calls.Load(), outs)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE attempts = 2 AND koffset = 1`); n != 1 {
+		t.Fatalf("dead letter with attempts 2: %d", n)
+	}
+	// A budget of one: the batch run was the only one.
+	p1 := processor(t, store, 1)
+	calls.Store(0)
+	recs[1] = &idem.Record{Topic: "events", Offset: 3, Value: []byte(`{"id":"f3","amount":-1}`)}
+	recs[0] = &idem.Record{Topic: "events", Offset: 4, Value: []byte(`{"id":"f4","amount":1}`)}
+	recs[2] = &idem.Record{Topic: "events", Offset: 5, Value: []byte(`{"id":"f5","amount":1}`)}
+	if _, err := p1.ProcessBatch(ctx, &h, recs); err != nil {
+		t.Fatal(err)
+	}
+	if calls.Load() != 1 {
+		t.Fatalf("failing handler ran %d times with MaxAttempts 1 in batch mode", calls.Load())
 	}
 }
