@@ -155,22 +155,55 @@ func isOutageError(err error) bool {
 // Decode function, an id accessor dereferencing a nil pointer) is the
 // record's failure, never the consumer's end.
 func safeDecode(h *EventHandler, rec *Record) (ev any, id string, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			ev, id, err = nil, "", &panicError{where: "decoding the record or reading its event id", value: r, stack: debug.Stack()}
-		}
-	}()
-	return h.decode(rec)
+	guardErr := guarded("decoding the record or reading its event id", func() error {
+		var derr error
+		ev, id, derr = h.decode(rec)
+		return derr
+	})
+	if guardErr != nil {
+		return nil, "", guardErr
+	}
+	return ev, id, nil
 }
 
 // safeCall runs the handler; a panic is the record's failure.
-func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = &panicError{where: "handler", value: r, stack: debug.Stack()}
-		}
+func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) error {
+	return guarded("handler", func() error { return h.call(ctx, tx, ev) })
+}
+
+// errGoexit is user code that ended its goroutine with runtime.Goexit
+// (t.FailNow in a test handler, a library calling it).
+var errGoexit = errors.New("called runtime.Goexit")
+
+// guarded runs user code fn and turns a panic, or runtime.Goexit, into the
+// record's failure. fn runs on a goroutine of its own because Goexit cannot
+// be recovered: run on the partition's goroutine it ended that goroutine
+// silently, so neither the record nor the rest of the poll was done or
+// rewound, and the next marks committed past them (records lost). A
+// goroutine per call costs about a microsecond, nothing beside a
+// transaction.
+func guarded(where string, fn func() error) error {
+	var (
+		err      error
+		returned bool
+		done     = make(chan struct{})
+	)
+	go func() {
+		defer close(done)
+		defer func() {
+			if r := recover(); r != nil {
+				err = &panicError{where: where, value: r, stack: debug.Stack()}
+				returned = true
+			}
+		}()
+		err = fn()
+		returned = true
 	}()
-	return h.call(ctx, tx, ev)
+	<-done
+	if !returned {
+		return &panicError{where: where, value: errGoexit, stack: nil}
+	}
+	return err
 }
 
 // maxErrorText bounds the error text stored in a dead letter.

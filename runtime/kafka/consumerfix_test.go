@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -483,5 +484,42 @@ func kmsgCreateTopic(t *testing.T, cl *kgo.Client, topic string, partitions int3
 			t.Fatalf("create topic: %v", err)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// A handler that ends its goroutine with runtime.Goexit (t.FailNow in a
+// test handler, a library calling it): not a panic, so recover sees
+// nothing. The record must not be skipped, nor the records after it, and
+// the consumer must go on.
+func TestHandlerGoexitLosesNothing(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "orders")
+	pool := db(t)
+	produceOrders(t, addrs, 1, 5, "gx")
+	var exits atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "gx-1" && exits.Add(1) == 1 {
+			runtime.Goexit()
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	var out outcomes
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
+		Retry: idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond}}, &out)
+	waitBounded(t, 20*time.Second, "the handler's Goexit", func() bool { return exits.Load() >= 1 })
+	produceOrders(t, addrs, 1, 5, "gx-later")
+	waitBounded(t, 20*time.Second, "the later records", func() bool {
+		return count(t, pool, `SELECT count(*) FROM effects WHERE event_id LIKE 'gx-later-%'`) == 5
+	})
+	r.shutdown(t)
+	if e := count(t, pool, `SELECT count(*) FROM effects`); e != 10 {
+		var ids []string
+		rows, _ := pool.Query(context.Background(), `SELECT event_id FROM effects ORDER BY id`)
+		for rows.Next() {
+			var s string
+			_ = rows.Scan(&s)
+			ids = append(ids, s)
+		}
+		t.Fatalf("%d effects, want 10 (Goexit in a handler lost records): %v; outcomes %v", e, ids, out.n)
 	}
 }
