@@ -523,3 +523,46 @@ func TestHandlerGoexitLosesNothing(t *testing.T) {
 		t.Fatalf("%d effects, want 10 (Goexit in a handler lost records): %v; outcomes %v", e, ids, out.n)
 	}
 }
+
+// A handler blocked in its own SQL (a lock wait, a long query) that respects
+// its context: a member joining the group ends the wait (the rebalance
+// cancels the poll), the record rolls back and is applied once later, and
+// shutdown is prompt.
+func TestBlockedHandlerYieldsToRebalance(t *testing.T) {
+	t.Parallel()
+	const partitions, n = 2, 20
+	addrs := cluster(t, partitions, "orders")
+	pool := db(t)
+	produceOrders(t, addrs, partitions, n, "blk")
+	var blocked atomic.Bool
+	entered := make(chan struct{})
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "blk-0" && blocked.CompareAndSwap(false, true) {
+			close(entered)
+			if _, err := tx.Exec(ctx, `SELECT pg_sleep(3600)`); err != nil {
+				return err
+			}
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	logsB := &capture{}
+	cfg := kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", handler)}, MaxPollRecords: 5}
+	ra := startConsumer(t, pool, cfg, nil)
+	<-entered
+	cfg.Logger = slog.New(logsB)
+	rb := startConsumer(t, pool, cfg, nil)
+	waitBounded(t, 30*time.Second, "member B assigned a partition while A's handler is blocked", func() bool {
+		return logsB.has("partitions assigned", "orders:[")
+	})
+	waitBounded(t, 30*time.Second, "every event", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= n })
+	done := make(chan struct{})
+	go func() { ra.shutdown(t); rb.shutdown(t); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("shutdown not prompt")
+	}
+	if e, de := count(t, pool, `SELECT count(*) FROM effects`), count(t, pool, `SELECT count(DISTINCT event_id) FROM effects`); e != n || de != n {
+		t.Fatalf("%d effects, %d distinct; want %d once each", e, de, n)
+	}
+}
