@@ -11,9 +11,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
 // EventIDHeader is the record header that carries an event's id. The outbox
@@ -219,6 +222,11 @@ type ProcessorConfig struct {
 	StorageTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the processor's metrics and
+	// one span per record (or batch); nil: the global providers. See the
+	// README's "Metrics and traces".
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
 
 // Processor applies records to event handlers: per record, in one
@@ -230,6 +238,7 @@ type Processor struct {
 	pool  *pgxpool.Pool
 	cfg   ProcessorConfig
 	log   *slog.Logger
+	tel   *telemetry.Telemetry
 }
 
 // NewProcessor returns a Processor on store. It validates cfg and keeps a
@@ -258,7 +267,9 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Processor{store: store, pool: store.pool, cfg: cfg, log: cfg.Logger}, nil
+	tel := telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
+	cfg.MeterProvider, cfg.TracerProvider = nil, nil // kept in tel
+	return &Processor{store: store, pool: store.pool, cfg: cfg, log: cfg.Logger, tel: tel}, nil
 }
 
 // Process applies rec to h. It returns nil once the record is done — applied,
@@ -271,7 +282,25 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 // dead letter. Storage failures use none of it: Process waits them out
 // (ProcessorConfig.Outage) for as long as ctx allows.
 func (p *Processor) Process(ctx context.Context, h *EventHandler, rec *Record) (Outcome, error) {
-	return p.process(ctx, h, rec, 0, nil)
+	return p.processRecorded(ctx, h, rec, nil)
+}
+
+// processRecorded is process with the record's telemetry; failed is as in
+// process.
+func (p *Processor) processRecorded(ctx context.Context, h *EventHandler, rec *Record, failed error) (Outcome, error) {
+	ctx, done := p.tel.RecordStart(ctx, h.Context, rec.Topic, rec.Partition, rec.Offset)
+	o, err := p.process(ctx, h, rec, 0, failed)
+	done(outcomeName(o, err), err)
+	return o, err
+}
+
+// outcomeName is the outcome attribute of a finished record: its Outcome, or
+// "cancelled" when the context ended first (it will be delivered again).
+func outcomeName(o Outcome, err error) string {
+	if err != nil {
+		return "cancelled"
+	}
+	return o.String()
 }
 
 // process is Process; replayID, when not 0, is the dead letter being replayed
@@ -310,6 +339,7 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 		if p.isOutage(err) {
 			outage++
 			wait = p.cfg.Outage.wait(outage)
+			p.tel.StorageWait(ctx, h.Context)
 			p.log.WarnContext(ctx, "storage unavailable; waiting, no attempt used", logRecord(h, rec,
 				"outage_tries", outage, "wait", wait, "err", err)...)
 		} else {
@@ -319,9 +349,13 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 				return p.deadLetter(ctx, h, rec, replayID, attempt, err)
 			}
 			wait = p.cfg.Retry.backoff(attempt)
+			p.tel.RecordRetried(ctx, h.Context, rec.Topic)
 			p.log.WarnContext(ctx, "handler failed; retrying", logRecord(h, rec, "attempt", attempt, "err", err)...)
 		}
-		if err := sleep(ctx, wait); err != nil {
+		p.tel.ConsumerBackoff(ctx, h.Context, wait)
+		err = sleep(ctx, wait)
+		p.tel.ConsumerBackoff(ctx, h.Context, 0)
+		if err != nil {
 			return 0, err
 		}
 	}
@@ -428,10 +462,13 @@ func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*R
 		}
 		return []Outcome{o}, nil
 	}
-	outcomes, err := p.applyBatch(ctx, h, recs)
+	bctx, done := p.tel.BatchStart(ctx, h.Context, recs[0].Topic, recs[0].Partition, recs[0].Offset, len(recs))
+	outcomes, err := p.applyBatch(bctx, h, recs)
 	if err == nil {
+		done(outcomeNames(outcomes), nil)
 		return outcomes, nil
 	}
+	done(nil, err) // the records are counted one by one below
 	if ctxErr := ctx.Err(); ctxErr != nil {
 		return nil, ctxErr
 	}
@@ -448,13 +485,21 @@ func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*R
 		if rf != nil && rf.index == i {
 			failed = rf.err
 		}
-		o, err := p.process(ctx, h, rec, 0, failed)
+		o, err := p.processRecorded(ctx, h, rec, failed)
 		if err != nil {
 			return outcomes, err
 		}
 		outcomes = append(outcomes, o)
 	}
 	return outcomes, nil
+}
+
+func outcomeNames(os []Outcome) []string {
+	names := make([]string, len(os))
+	for i, o := range os {
+		names[i] = o.String()
+	}
+	return names
 }
 
 var errBatchNeedsFallback = errors.New("batch has an undecodable record")
