@@ -91,8 +91,23 @@ func check(pass *analysis.Pass, r *vetutil.Reporter, fd *ast.FuncDecl, kind stri
 		}
 		f := vetutil.Callee(info, call)
 		recv := vetutil.Receiver(info, call)
+		// pgx.BeginFunc(ctx, s.pool, fn) runs fn in a transaction of its
+		// own; on the operation's tx it is a savepoint, which is fine.
+		if (vetutil.IsFunc(f, vetutil.PgxPath, "BeginFunc") || vetutil.IsFunc(f, vetutil.PgxPath, "BeginTxFunc")) && len(call.Args) > 1 {
+			if t := info.TypeOf(call.Args[1]); vetutil.IsPoolOrConn(t) {
+				r.Report(call, escapeMsg(dir, typeName(t)+" (pgx."+f.Name()+")", false, kind))
+			}
+			return true
+		}
 		if f == nil || recv == nil {
 			return true
+		}
+		// tx.Conn() is the connection the operation's transaction runs on:
+		// statements on it are inside that transaction.
+		if inner, ok := ast.Unparen(recv).(*ast.CallExpr); ok {
+			if g := vetutil.Callee(info, inner); g != nil && g.Name() == "Conn" && isOpTx(vetutil.Receiver(info, inner)) {
+				return true
+			}
 		}
 		rt := info.TypeOf(recv)
 		switch {
