@@ -41,6 +41,14 @@ func run(pass *analysis.Pass) (any, error) {
 			if loop, ok := n.(ast.Stmt); ok && isLoop(loop) && c.isRetryLoop(loop) {
 				c.checkLoop(loop)
 			}
+			// retry: ... goto retry is a loop too.
+			if blk, ok := n.(*ast.BlockStmt); ok {
+				for _, region := range gotoLoops(blk) {
+					if c.isRetryLoop(region) {
+						c.checkLoop(region)
+					}
+				}
+			}
 			// A function handed to a retry helper (retry.Do, backoff.Retry,
 			// a local withRetry) runs once per attempt: it is the loop's body.
 			if call, ok := n.(*ast.CallExpr); ok && retryHelper(pass.TypesInfo, call) {
@@ -55,6 +63,37 @@ func run(pass *analysis.Pass) (any, error) {
 		})
 	})
 	return nil, nil
+}
+
+// gotoLoops returns, for each label in blk that a later goto jumps back
+// to, the statements from the label to the one holding the goto, as a block
+// that stands for the loop they make.
+func gotoLoops(blk *ast.BlockStmt) []ast.Stmt {
+	var loops []ast.Stmt
+	for i, st := range blk.List {
+		l, ok := st.(*ast.LabeledStmt)
+		if !ok {
+			continue
+		}
+		last := -1
+		for j := i; j < len(blk.List); j++ {
+			vetutil.InspectShallow(blk.List[j], func(n ast.Node) bool {
+				if b, ok := n.(*ast.BranchStmt); ok && b.Tok == token.GOTO && b.Label != nil && b.Label.Name == l.Label.Name {
+					last = j
+				}
+				return true
+			})
+		}
+		if last >= 0 {
+			loops = append(loops, &ast.BlockStmt{Lbrace: l.Pos(), List: blk.List[i : last+1], Rbrace: blk.List[last].End() - 1})
+		}
+	}
+	return loops
+}
+
+func isGotoLoop(loop ast.Node) bool {
+	_, ok := loop.(*ast.BlockStmt)
+	return ok
 }
 
 // helperName matches the functions (and their packages) that call a function
@@ -109,6 +148,8 @@ func loopBody(s ast.Node) *ast.BlockStmt {
 		return s.Body
 	case *ast.FuncLit:
 		return s.Body
+	case *ast.BlockStmt: // a goto loop
+		return s
 	}
 	return s.(*ast.RangeStmt).Body
 }
@@ -169,6 +210,9 @@ func (c *checker) isRetryLoop(loop ast.Stmt) bool {
 	bare := false
 	if f, ok := loop.(*ast.ForStmt); ok && f.Init == nil && f.Cond == nil && f.Post == nil {
 		bare = true
+	}
+	if _, ok := loop.(*ast.BlockStmt); ok {
+		bare = true // a goto loop has no header either
 	}
 	signal := false
 	vetutil.InspectShallow(loopBody(loop), func(n ast.Node) bool {
@@ -258,7 +302,7 @@ func (c *checker) checkDo(loop ast.Node, do *ast.CallExpr) {
 			if fresh, byLoopVar := c.fresh(loop, s.value, 0); fresh {
 				c.reported[s.call.Pos()] = true
 				var fixes []analysis.SuggestedFix
-				if stmt, ok := loop.(ast.Stmt); ok && !byLoopVar {
+				if stmt, ok := loop.(ast.Stmt); ok && !byLoopVar && !isGotoLoop(loop) {
 					fixes = c.hoist(stmt, s.value)
 				}
 				c.r.Report(s.value, fmt.Sprintf("retry loop creates the Idempotency-Key of its %s inside the loop, so every attempt is a new operation to the server and a lost response followed by a retry charges twice; create the key once before the loop", strings.ToUpper(method)), fixes...)

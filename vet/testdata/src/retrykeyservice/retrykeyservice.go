@@ -52,7 +52,7 @@ func r3(ctx context.Context, body []byte) error {
 	attempt := 0
 retry:
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://p/c", bytes.NewReader(body))
-	resp, err := client.Do(req)
+	resp, err := client.Do(req) // want `retry loop sends POST without an Idempotency-Key header`
 	if err != nil {
 		attempt++
 		if attempt < 3 {
@@ -329,4 +329,34 @@ func r17(ctx context.Context, safe bool) error {
 		}
 	}
 	return errors.New("x")
+}
+
+// R18 EXPECT: a goto loop making a key per attempt; no mechanical fix.
+func r18(ctx context.Context, body []byte) error {
+	attempt := 0
+again:
+	key := uuid.NewString()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://p/c", bytes.NewReader(body))
+	req.Header.Set("Idempotency-Key", key) // want `retry loop creates the Idempotency-Key of its POST inside the loop`
+	resp, err := client.Do(req)
+	if err != nil {
+		if attempt++; attempt < 3 {
+			goto again
+		}
+		return err
+	}
+	return resp.Body.Close()
+}
+
+// R19 NOEXPECT: a label jumped to forward is not a loop.
+func r19(ctx context.Context, body []byte) error {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://p/c", bytes.NewReader(body))
+	if len(body) == 0 {
+		goto done
+	}
+	if resp, err := client.Do(req); err == nil {
+		resp.Body.Close()
+	}
+done:
+	return nil
 }
