@@ -795,6 +795,27 @@ func (c *checker) hoist(loop ast.Stmt, value ast.Expr) []analysis.SuggestedFix {
 	if text == "" || c.usesLoopVars(loop, value) {
 		return nil
 	}
+	// Two keys in one loop (two requests) must stay two keys: one hoisted
+	// name for both would make the second request a replay of the first.
+	sets := 0
+	ast.Inspect(loopBody(loop), func(n ast.Node) bool {
+		if call, ok := n.(*ast.CallExpr); ok {
+			if sel, ok := ast.Unparen(call.Fun).(*ast.SelectorExpr); ok && (sel.Sel.Name == "Set" || sel.Sel.Name == "Add") && len(call.Args) == 2 {
+				if name, ok := constString(c.pass.TypesInfo, call.Args[0]); ok && keyHeader.MatchString(name) {
+					sets++
+				}
+			}
+		}
+		if ix, ok := n.(*ast.IndexExpr); ok {
+			if name, ok := constString(c.pass.TypesInfo, ix.Index); ok && keyHeader.MatchString(name) {
+				sets++
+			}
+		}
+		return true
+	})
+	if sets > 1 {
+		return nil
+	}
 	name := "idempotencyKey"
 	if scope := c.pass.Pkg.Scope().Innermost(loop.Pos()); scope != nil {
 		if _, obj := scope.LookupParent(name, loop.Pos()); obj != nil {

@@ -360,3 +360,25 @@ func r19(ctx context.Context, body []byte) error {
 done:
 	return nil
 }
+
+// R20 EXPECT x2: two requests, each with a key per attempt. No fix: one
+// hoisted name for both would make the second a replay of the first.
+func r20(ctx context.Context) error {
+	for attempt := 0; attempt < 3; attempt++ {
+		a, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://p/a", nil)
+		a.Header.Set("Idempotency-Key", uuid.NewString()) // want `retry loop creates the Idempotency-Key of its POST inside the loop`
+		b, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://p/b", nil)
+		b.Header.Set("Idempotency-Key", uuid.NewString()) // want `retry loop creates the Idempotency-Key of its POST inside the loop`
+		ra, err := client.Do(a)
+		if err != nil {
+			continue
+		}
+		ra.Body.Close()
+		rb, err := client.Do(b)
+		if err != nil {
+			continue
+		}
+		return rb.Body.Close()
+	}
+	return errors.New("x")
+}
