@@ -452,9 +452,17 @@ func (c *checker) checkReused(loop ast.Node, do, newReq *ast.CallExpr, reqVar *t
 	if sel, ok := ast.Unparen(body).(*ast.SelectorExpr); ok && sel.Sel.Name == "NoBody" {
 		return
 	}
-	// req.Body = ..., req.GetBody(), req.Clone(...) in the loop renew it.
+	// req = http.NewRequest(...) again, req.Body = ..., req.GetBody(),
+	// req.Clone(...) in the loop renew it.
 	renewed := false
 	ast.Inspect(loopBody(loop), func(n ast.Node) bool {
+		if as, ok := n.(*ast.AssignStmt); ok {
+			for _, l := range as.Lhs {
+				if id, ok := ast.Unparen(l).(*ast.Ident); ok && c.pass.TypesInfo.ObjectOf(id) == reqVar {
+					renewed = true
+				}
+			}
+		}
 		sel, ok := n.(*ast.SelectorExpr)
 		if !ok {
 			return !renewed

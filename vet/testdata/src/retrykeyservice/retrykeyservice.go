@@ -382,3 +382,18 @@ func r20(ctx context.Context) error {
 	}
 	return errors.New("x")
 }
+
+// R21 NOEXPECT: built before the loop, rebuilt in it for the next attempt.
+func r21(ctx context.Context, key string, body []byte) error {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://p/c", bytes.NewReader(body))
+	for attempt := 0; attempt < 3; attempt++ {
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := client.Do(req)
+		if err == nil {
+			return resp.Body.Close()
+		}
+		time.Sleep(time.Second)
+		req, _ = http.NewRequestWithContext(ctx, http.MethodPost, "http://p/c", bytes.NewReader(body))
+	}
+	return errors.New("x")
+}
