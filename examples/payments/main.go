@@ -265,7 +265,18 @@ func relay(ctx context.Context) error {
 			return err
 		}
 		defer pub.Close()
-		r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+		cfg := idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }}
+		// Tests shorten the lease so a standby (or a restarted relay) takes
+		// over a killed leader quickly; production keeps the default.
+		if d := os.Getenv("RELAY_LEASE"); d != "" {
+			if cfg.Lease, err = time.ParseDuration(d); err != nil {
+				return fmt.Errorf("RELAY_LEASE: %w", err)
+			}
+		}
+		r, err := idem.NewRelay(idem.NewStore(pool), pub, cfg)
+		if err != nil {
+			return err
+		}
 		return r.Run(ctx)
 	})
 }

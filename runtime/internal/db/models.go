@@ -62,6 +62,14 @@ type IdemProcessedEvent struct {
 	ProcessedAt pgtype.Timestamptz
 }
 
+type IdemRelayLeader struct {
+	Name       string
+	Holder     string
+	Token      string
+	AcquiredAt pgtype.Timestamptz
+	ExpiresAt  pgtype.Timestamptz
+}
+
 type IdemSchemaVersion struct {
 	Singleton bool
 	Digest    string
