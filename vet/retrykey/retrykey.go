@@ -26,8 +26,11 @@ var Analyzer = &analysis.Analyzer{
 A loop that retries POST, PUT, PATCH or DELETE (http.Client.Do, Post, PostForm,
 a RoundTripper's RoundTrip)
 must send the same Idempotency-Key on every attempt, created once before the
-loop. A key created inside the loop, or no key at all, makes every attempt a
-new operation: a lost response followed by a retry charges twice.`,
+loop. A key created inside the loop (or renewed by it), or no key at all, makes
+every attempt a new operation: a lost response followed by a retry charges
+twice. A function literal handed to a retry helper (retry.Do, backoff.Retry)
+and a backward goto count as loops. A request with a body built before the
+loop and resent is reported too: the first attempt consumes the body.`,
 	URL: "https://github.com/idemgen/idemgen#idemgen-vet",
 	Run: run,
 }

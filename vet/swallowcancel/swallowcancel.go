@@ -27,7 +27,9 @@ context.DeadlineExceeded, ctx.Err() or <-ctx.Done() that returns nil, continues
 or sets the error to nil tells the caller the work is done: the caller commits a
 half-done transaction or acknowledges an event whose writes never happened.
 Errors of the transaction's own calls (Exec, Commit, sqlc queries on it) that are
-dropped hide the same failures.`,
+dropped hide the same failures. Only where a transaction is open: a worker
+loop's "case <-ctx.Done(): return nil" with the transaction begun elsewhere, or
+a branch after the commit, is a clean shutdown.`,
 	URL: "https://github.com/idemgen/idemgen#idemgen-vet",
 	Run: run,
 }

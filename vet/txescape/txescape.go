@@ -31,8 +31,9 @@ Inside such a function:
     before the key is, and the retry runs them again (double charge);
   - a statement through a *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn, *sql.DB or
     *sql.Conn, or a sqlc Queries not built from the tx (db.New(pool), a struct
-    field), runs outside the transaction: it is not undone on rollback and is
-    repeated on every retry.
+    field), or pgx.BeginFunc on a pool, runs outside the transaction: it is
+    not undone on rollback and is repeated on every retry. Statements on
+    tx.Conn() are inside it.
 Reads are reported too (they do not see the operation's own writes and hold a
 second connection); -txescape.allowreads allows them: Query/QueryRow whose SQL is
 a constant SELECT, and sqlc methods named Get*, List*, Count*, Find*, Select*,
