@@ -60,7 +60,7 @@ func run(pass *analysis.Pass) (any, error) {
 	r := vetutil.NewReporter(pass)
 	info := pass.TypesInfo
 	exportCommits(pass)
-		vetutil.FuncBodies(pass, func(_ *ast.FuncDecl, _ *ast.FuncType, body *ast.BlockStmt) {
+	vetutil.FuncBodies(pass, func(_ *ast.FuncDecl, _ *ast.FuncType, body *ast.BlockStmt) {
 		// Cheap test first: most functions have neither.
 		var hasOffset, hasCommit bool
 		vetutil.InspectShallow(body, func(n ast.Node) bool {
