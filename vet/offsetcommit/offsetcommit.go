@@ -80,7 +80,7 @@ func run(pass *analysis.Pass) (any, error) {
 			return
 		}
 		g := cfg.New(body, func(call *ast.CallExpr) bool { return mayReturn(info, call) })
-		var offsets, commitSites []site
+		var offsets, commitSites, dropped []site
 		for _, b := range g.Blocks {
 			for i, node := range b.Nodes {
 				if d, ok := node.(*ast.DeferStmt); ok {
@@ -112,9 +112,22 @@ func run(pass *analysis.Pass) (any, error) {
 					}
 					if commits(pass, call) {
 						commitSites = append(commitSites, site{call, b, i})
+						// pgx.BeginFunc(...) or store(...) with its error
+						// dropped (a dropped tx.Commit error is
+						// swallowcancel's finding).
+						if !vetutil.IsTx(info.TypeOf(vetutil.Receiver(info, call))) && errorDropped(node, call) {
+							dropped = append(dropped, site{call, b, i})
+						}
 					}
 					return true
 				})
+			}
+		}
+		for _, d := range dropped {
+			if o := reachableCommit(d, offsets); o != nil {
+				f := vetutil.Callee(info, d.call)
+				r.Report(d.call, fmt.Sprintf("error of %s, which commits a transaction, is dropped before the Kafka offset %s at line %d: if the commit fails the offset still acknowledges the event (lost event); return the error before committing the offset",
+					f.Name(), verb(vetutil.Callee(info, o.call).Name()), pass.Fset.Position(o.call.Pos()).Line))
 			}
 		}
 		for _, o := range offsets {
@@ -130,6 +143,26 @@ func run(pass *analysis.Pass) (any, error) {
 		}
 	})
 	return nil, nil
+}
+
+// errorDropped reports whether node, a statement, discards call's error:
+// call as a statement, or assigned only to _.
+func errorDropped(node ast.Node, call *ast.CallExpr) bool {
+	switch n := node.(type) {
+	case *ast.ExprStmt:
+		return ast.Unparen(n.X) == call
+	case *ast.AssignStmt:
+		if len(n.Rhs) != 1 || ast.Unparen(n.Rhs[0]) != call {
+			return false
+		}
+		for _, l := range n.Lhs {
+			if id, ok := l.(*ast.Ident); !ok || id.Name != "_" {
+				return false
+			}
+		}
+		return true
+	}
+	return false
 }
 
 func verb(name string) string {

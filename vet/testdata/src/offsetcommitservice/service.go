@@ -96,9 +96,9 @@ func o6(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) 
 	return tx.Commit(ctx)
 }
 
-// O7 EXPECT?: BeginFunc error dropped, then offset.
+// O7 EXPECT: BeginFunc error dropped, then offset.
 func o7(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) error { // want o7:"commitsTx"
-	pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return apply(ctx, tx, r) })
+	pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return apply(ctx, tx, r) }) // want `error of BeginFunc, which commits a transaction, is dropped before the Kafka offset commit \(CommitRecords\) at line 102: if the commit fails the offset still acknowledges the event`
 	return cl.CommitRecords(ctx, r)
 }
 
@@ -121,4 +121,17 @@ func o9(ctx context.Context, cl *kgo.Client, st *offsetstore.Store, r *kgo.Recor
 func o10(ctx context.Context, cl *kgo.Client, r *kgo.Record) error {
 	defer cl.MarkCommitRecords(r)
 	return nil
+}
+
+// O11 EXPECT: the helper's error dropped, then the offset.
+func o11(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) { // want o11:"commitsTx"
+	_ = store(ctx, pool, r) // want `error of store, which commits a transaction, is dropped before the Kafka offset mark`
+	cl.MarkCommitRecords(r)
+}
+
+// O12 NOEXPECT: a dropped tx.Commit error is swallowcancel's finding, not
+// reported twice.
+func o12(ctx context.Context, cl *kgo.Client, tx pgx.Tx, r *kgo.Record) { // want o12:"commitsTx"
+	tx.Commit(ctx)
+	cl.MarkCommitRecords(r)
 }
