@@ -28,7 +28,8 @@ pgx.BeginFunc) is reachable in the same function acknowledges the event before
 its writes are durable: a crash or failed commit in between loses the event.
 A call to a function that commits (a commitsTx fact) counts as the commit. A
 deferred offset call in a function that commits runs on the error path too and
-is reported; so is one in a goroutine started before the commit.
+is reported; so is one in a goroutine started before the commit, and one
+after a pgx.BeginFunc or committing helper whose error is dropped.
 A path that returns first (the "already processed, commit the offset and
 return" branch) and the next round of a loop (other records) do not count.`,
 	URL:       "https://github.com/idemgen/idemgen#idemgen-vet",
