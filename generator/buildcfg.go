@@ -3,8 +3,10 @@ package generator
 import (
 	"bufio"
 	"bytes"
+	"fmt"
 	"go/build"
 	"go/build/constraint"
+	"hash/fnv"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,7 +18,8 @@ import (
 // (with -tags or GOFLAGS), and how idemgen loads with LoadTag added.
 type buildConfig struct {
 	tags      []string
-	loadFlags []string
+	loadFlags []string      // the user's, with LoadTag added
+	userFlags []string      // the user's: the build the generated files are for
 	ctx       build.Context // the user's build, to judge which files it selects
 }
 
@@ -61,6 +64,10 @@ func newBuildConfig(cfg Config) *buildConfig {
 				bc.tags = splitTags(value)
 			}
 		}
+	}
+	bc.userFlags = slices.Clone(flags)
+	if len(bc.tags) > 0 {
+		bc.userFlags = append(bc.userFlags, "-tags="+strings.Join(bc.tags, ","))
 	}
 	bc.loadFlags = append(flags, "-tags="+strings.Join(append(slices.Clone(bc.tags), LoadTag), ","))
 
@@ -210,6 +217,16 @@ func newGroup(expr constraint.Expr) *group {
 		return &group{file: FileName}
 	}
 	words := exprWords(expr)
+	// The words name one constraint only when they read back unambiguously:
+	// (a || b) && c and a || (b && c) both spell a_or_b_and_c, tags Foo and
+	// foo both spell foo. Such a constraint gets a hash of its exact text, so
+	// that two constraints never share a file (one would overwrite the other
+	// and check would never agree with gen).
+	if !spellable(expr) {
+		h := fnv.New32a()
+		h.Write([]byte(expr.String()))
+		words = append(words, fmt.Sprintf("%08x", h.Sum32()))
+	}
 	// The file name must not imply a GOOS, GOARCH or test file of its own
 	// (idem_gen_not_windows.go would be windows-only).
 	if name := "idem_gen_" + strings.Join(words, "_"); len(impliedTags(name+".go")) > 0 || strings.HasSuffix(name, "_test") {
@@ -222,6 +239,41 @@ func newGroup(expr constraint.Expr) *group {
 		suffix.WriteString(string(r))
 	}
 	return &group{expr: expr, file: "idem_gen_" + strings.Join(words, "_") + ".go", suffix: suffix.String()}
+}
+
+// spellable reports whether exprWords(x) names x alone, up to the
+// associativity of one operator: lower-case tags of letters and digits
+// that are not one of the words the spelling itself uses, negation of tags
+// only, and not both && and ||.
+func spellable(x constraint.Expr) bool {
+	ops := map[string]bool{}
+	var ok func(x constraint.Expr) bool
+	ok = func(x constraint.Expr) bool {
+		switch x := x.(type) {
+		case *constraint.TagExpr:
+			switch x.Tag {
+			case "and", "or", "not", "tags":
+				return false
+			}
+			for _, r := range x.Tag {
+				if !('a' <= r && r <= 'z' || '0' <= r && r <= '9') {
+					return false
+				}
+			}
+			return true
+		case *constraint.NotExpr:
+			_, isTag := x.X.(*constraint.TagExpr)
+			return isTag && ok(x.X)
+		case *constraint.AndExpr:
+			ops["and"] = true
+			return ok(x.X) && ok(x.Y)
+		case *constraint.OrExpr:
+			ops["or"] = true
+			return ok(x.X) && ok(x.Y)
+		}
+		return false
+	}
+	return ok(x) && len(ops) < 2
 }
 
 // exprWords spells a constraint as file-name words: integration,

@@ -42,7 +42,7 @@ func emit(m *pkgModel, g *group) ([]byte, error) {
 	e := &emitter{m: m, g: g, f: jen.NewFilePathName(m.path, m.name), aliases: map[string]string{}, locals: map[string]string{}}
 	e.f.HeaderComment(Header)
 	taken := func(name string) bool {
-		return m.scope.Lookup(name) != nil || m.imports[name] || token.IsKeyword(name)
+		return m.declared(name) || token.IsKeyword(name)
 	}
 	for _, l := range localNames {
 		name := l
@@ -110,7 +110,7 @@ func (e *emitter) qual(path, pkgName, name string) *jen.Statement {
 	if _, ok := e.aliases[path]; !ok {
 		alias := pkgName
 		used := func(a string) bool {
-			if e.m.scope.Lookup(a) != nil || e.isLocal(a) || token.IsKeyword(a) {
+			if e.m.declared(a) || e.isLocal(a) || token.IsKeyword(a) {
 				return true
 			}
 			for _, other := range e.aliases {
@@ -416,7 +416,7 @@ type recvParam struct {
 func (e *emitter) newRecvParams() *recvParams {
 	rp := &recvParams{byType: map[*types.Named]*recvParam{}, names: map[string]bool{}}
 	rp.taken = func(name string) bool {
-		if rp.names[name] || e.isLocal(name) || token.IsKeyword(name) || e.m.scope.Lookup(name) != nil || generatedImport[name] || e.m.imports[name] {
+		if rp.names[name] || e.isLocal(name) || token.IsKeyword(name) || e.m.declared(name) || generatedImport[name] {
 			return true
 		}
 		for _, a := range e.aliases {
@@ -493,7 +493,7 @@ func (rp *recvParams) paramName(w *wrapped) string {
 // own, unless absent or clashing with a name the method uses.
 func (e *emitter) recvVar(w *wrapped) string {
 	n := w.recvName
-	if n == "" || e.isLocal(n) || generatedImport[n] || e.m.imports[n] {
+	if n == "" || e.isLocal(n) || generatedImport[n] {
 		return e.locals["recv"]
 	}
 	for _, a := range e.aliases {

@@ -111,8 +111,13 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 		}
 	}
 	var files []File
+	loadErrs := map[string][]packages.Error{} // by package path
+	var withErrs []string
 	for i, pkg := range pkgs {
-		reportLoadErrors(pkg, emitted, errs)
+		if le := reportLoadErrors(pkg, emitted); len(le) > 0 {
+			loadErrs[pkg.PkgPath] = le
+			withErrs = append(withErrs, pkg.PkgPath)
+		}
 		warnIgnoredDirectives(pkg, bc, warn)
 		m := models[i]
 		written := map[string]bool{}
@@ -135,10 +140,18 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 				files = append(files, File{Path: path, Content: src})
 			}
 		}
-		for _, path := range activeGenerated(pkg, bc) {
-			if !written[path] {
-				files = append(files, File{Path: path})
-			}
+		for _, path := range orphans(pkg, bc, written) {
+			files = append(files, File{Path: path})
+		}
+	}
+	if len(withErrs) > 0 && len(files) > 0 {
+		if again, ok := recheck(ctx, cfg, bc, withErrs, files); ok {
+			loadErrs = again
+		}
+	}
+	for _, path := range withErrs {
+		for _, e := range loadErrs[path] {
+			errs.add(parsePos(e.Pos), "%s", e.Msg)
 		}
 	}
 	if err := errs.result(); err != nil {
@@ -198,22 +211,60 @@ func pkgDir(pkg *packages.Package) string {
 	return ""
 }
 
-// activeGenerated returns the generated files of pkg (judged by name and
-// header, so a user's own file of that name is never touched) that the
-// current build tags select, i.e. those this run is responsible for.
-func activeGenerated(pkg *packages.Package, bc *buildConfig) []string {
+// orphans returns the generated files of pkg (judged by name and header, so
+// a user's own file of that name is never touched) that this run did not
+// write and that no build needs: those the current build selects (this run
+// is responsible for them), and those no file of the package, in any build,
+// has directives for. The second kind is judged syntactically, so a wrapper
+// moved from a _linux.go file to an untagged one does not leave
+// idem_gen_linux_tags.go behind, declaring it a second time on linux, when
+// idemgen ran with GOOS=windows or without the tag.
+func orphans(pkg *packages.Package, bc *buildConfig, written map[string]bool) []string {
 	var out []string
 	seen := map[string]bool{}
+	var wanted map[string]bool // file names some build generates; computed when needed
 	for _, f := range append(append([]string{}, pkg.GoFiles...), pkg.IgnoredFiles...) {
-		if seen[f] || !isGeneratedName(f) || !hasHeader(f) {
+		if seen[f] || written[f] || !isGeneratedName(f) || !hasHeader(f) {
 			continue
 		}
 		seen[f] = true
-		if bc.selects(f) {
-			out = append(out, f)
+		if !bc.selects(f) {
+			if wanted == nil {
+				wanted = wantedGenerated(pkg)
+			}
+			if wanted[filepath.Base(f)] {
+				continue // another build's to generate and judge
+			}
 		}
+		out = append(out, f)
 	}
 	return out
+}
+
+// wantedGenerated returns the names of the generated files that some build
+// of pkg needs: one per distinct build constraint of the non-test files with
+// an //idem: directive line.
+func wantedGenerated(pkg *packages.Package) map[string]bool {
+	wanted := map[string]bool{}
+	for _, path := range append(append([]string{}, pkg.GoFiles...), pkg.IgnoredFiles...) {
+		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") || isGeneratedName(path) || len(directivesIn(path)) == 0 {
+			continue
+		}
+		expr, err := fileConstraint(path)
+		if err != nil {
+			// Unreadable: keep every generated file rather than delete one
+			// a build may need.
+			wanted["*"] = true
+			continue
+		}
+		wanted[newGroup(expr).file] = true
+	}
+	if wanted["*"] {
+		for _, path := range pkg.IgnoredFiles {
+			wanted[filepath.Base(path)] = true
+		}
+	}
+	return wanted
 }
 
 // isGeneratedName reports whether path is named like a generated file:

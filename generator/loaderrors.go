@@ -2,12 +2,14 @@ package generator
 
 import (
 	"bytes"
+	"context"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"go/types"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"golang.org/x/tools/go/ast/astutil"
@@ -20,7 +22,13 @@ import (
 // type-check until they exist, and generating them is the cure. The test is
 // on the syntax and type information at the error's position, never on the
 // wording of the type checker's message.
-func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool, errs *errorSink) {
+//
+// It returns the errors left: the caller reports them, or first checks them
+// against the generated files (recheck), since the syntax test cannot see
+// every use of a generated name (a method promoted through an embedded
+// field, an interface the generated method satisfies).
+func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool) []packages.Error {
+	var out []packages.Error
 	expected := map[string]bool{} // "file:line:col" of errors at a generated name
 	for _, te := range pkg.TypeErrors {
 		if usesGenerated(pkg, te.Pos, emitted) {
@@ -38,8 +46,54 @@ func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool,
 		if e.Kind == packages.TypeError && expected[e.Pos] {
 			continue
 		}
-		errs.add(parsePos(e.Pos), "%s", e.Msg)
+		out = append(out, e)
 	}
+	return out
+}
+
+// recheck loads the packages with load errors again as the user's build
+// sees them once the files of this run are written (an overlay: nothing is
+// written yet), and returns the errors each still has. An error that goes
+// away was a use of a name this run generates. The generated files take
+// part, so an error in them is reported too: idemgen succeeds only if the
+// packages build with what it would write. ok is false if the packages could
+// not be loaded; then the caller reports the errors it had.
+func recheck(ctx context.Context, cfg Config, bc *buildConfig, pkgPaths []string, files []File) (errs map[string][]packages.Error, ok bool) {
+	overlay := map[string][]byte{}
+	for _, f := range files {
+		overlay[f.Path] = f.Content
+		if f.Content == nil {
+			// An orphan is deleted: an empty file of no build.
+			overlay[f.Path] = []byte("//go:build ignore\n\npackage ignored\n")
+		}
+	}
+	pkgs, err := packages.Load(&packages.Config{
+		Context:    ctx,
+		Mode:       loadMode,
+		Dir:        cfg.Dir,
+		Env:        cfg.Env,
+		BuildFlags: bc.userFlags,
+		Overlay:    overlay,
+	}, pkgPaths...)
+	if err != nil {
+		return nil, false
+	}
+	errs = map[string][]packages.Error{}
+	for _, p := range pkgs {
+		typeErrors := len(p.TypeErrors) > 0
+		for _, e := range p.Errors {
+			if typeErrors && e.Kind == packages.ListError && strings.HasPrefix(e.Msg, "# ") {
+				continue
+			}
+			errs[p.PkgPath] = append(errs[p.PkgPath], e)
+		}
+	}
+	for _, path := range pkgPaths {
+		if _, found := errs[path]; !found && !slices.ContainsFunc(pkgs, func(p *packages.Package) bool { return p.PkgPath == path }) {
+			return nil, false
+		}
+	}
+	return errs, true
 }
 
 // usesGenerated reports whether pos is an unresolved identifier naming

@@ -3,6 +3,7 @@ package generator
 import (
 	"fmt"
 	"go/ast"
+	"go/parser"
 	"go/token"
 	"go/types"
 	"net/http"
@@ -37,10 +38,57 @@ type pkgModel struct {
 	// files declare; type errors at uses of them are expected before the
 	// first generation and are not the user's.
 	emitted map[string]bool
-	// scope is the package's scope: generated names must not shadow it.
-	scope *types.Scope
-	// imports are the names of the packages the user's package imports.
-	imports map[string]bool
+	// names are the package-level names the package declares in any build:
+	// those of this build's scope and those of the files it excludes. A
+	// generated file without a constraint is compiled in every build, so
+	// its import names and locals must avoid them all, and it must be the
+	// same file whichever build generated it (a type http in a _windows.go
+	// file once made gen on linux write a file that broke the windows build,
+	// and check on windows call it out of date).
+	names map[string]bool
+}
+
+// declared reports whether the package declares name at package level in
+// some build.
+func (m *pkgModel) declared(name string) bool { return m.names[name] }
+
+// packageNames returns the package-level names of pkg in every build: its
+// scope's, and those declared in the non-test files the build excludes
+// (read syntactically; a file of another package clause is skipped).
+func packageNames(pkg *packages.Package) map[string]bool {
+	names := map[string]bool{}
+	for _, n := range pkg.Types.Scope().Names() {
+		names[n] = true
+	}
+	for _, path := range pkg.IgnoredFiles {
+		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") || isGeneratedName(path) {
+			continue
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), path, nil, parser.SkipObjectResolution)
+		if f == nil || err != nil || f.Name.Name != pkg.Name {
+			continue
+		}
+		for _, d := range f.Decls {
+			switch d := d.(type) {
+			case *ast.FuncDecl:
+				if d.Recv == nil {
+					names[d.Name.Name] = true
+				}
+			case *ast.GenDecl:
+				for _, spec := range d.Specs {
+					switch spec := spec.(type) {
+					case *ast.TypeSpec:
+						names[spec.Name.Name] = true
+					case *ast.ValueSpec:
+						for _, n := range spec.Names {
+							names[n.Name] = true
+						}
+					}
+				}
+			}
+		}
+	}
+	return names
 }
 
 // wrapped is a function or method that generated code wraps.
@@ -151,11 +199,7 @@ const (
 // buildModel reads the directives of pkg and checks what they annotate.
 // It returns nil (and no errors) for a package without directives.
 func buildModel(pkg *packages.Package, errs *errorSink) *pkgModel {
-	m := &pkgModel{path: pkg.PkgPath, name: pkg.Name, dir: pkgDir(pkg), emitted: map[string]bool{},
-		scope: pkg.Types.Scope(), imports: map[string]bool{}}
-	for _, imp := range pkg.Types.Imports() {
-		m.imports[imp.Name()] = true
-	}
+	m := &pkgModel{path: pkg.PkgPath, name: pkg.Name, dir: pkgDir(pkg), emitted: map[string]bool{}}
 	groups := map[string]*group{}
 	for _, file := range pkg.Syntax {
 		// For a cgo package the syntax is of the compiled files, whose
@@ -169,20 +213,24 @@ func buildModel(pkg *packages.Package, errs *errorSink) *pkgModel {
 			errs.add(token.Position{Filename: filename}, "read build constraint: %v", err)
 			continue
 		}
-		key := ""
-		if expr != nil {
-			key = expr.String()
-		}
-		g := groups[key]
-		if g == nil {
-			g = newGroup(expr)
-			groups[key] = g
+		// Constraints that differ only in associativity (a && b && c, a &&
+		// (b && c)) share a file; its //go:build line is the least of their
+		// texts, whichever of the files this build selects.
+		g := newGroup(expr)
+		if prev := groups[g.file]; prev != nil {
+			if expr != nil && expr.String() < prev.expr.String() {
+				prev.expr = expr
+			}
+			g = prev
+		} else {
+			groups[g.file] = g
 		}
 		scanFile(pkg, file, g, m, errs)
 	}
 	if len(m.https)+len(m.consumes)+len(m.outboxes) == 0 {
 		return nil
 	}
+	m.names = packageNames(pkg)
 	for _, g := range groups {
 		if len(g.https)+len(g.consumes)+len(g.outboxes) > 0 {
 			m.groups = append(m.groups, g)

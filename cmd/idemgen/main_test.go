@@ -87,7 +87,7 @@ func cmdIdem(ts *testscript.TestScript, neg bool, args []string) {
 		ts.Fatalf("idem: %v", err)
 	}
 	var env []string
-	for _, name := range []string{"PATH", "HOME", "GOCACHE", "GOMODCACHE", "GOPATH", "GOROOT", "GOPROXY", "GOFLAGS", "GOWORK", "GOTOOLCHAIN", "TMPDIR"} {
+	for _, name := range []string{"PATH", "HOME", "GOCACHE", "GOMODCACHE", "GOPATH", "GOROOT", "GOPROXY", "GOFLAGS", "GOWORK", "GOTOOLCHAIN", "TMPDIR", "GOOS", "GOARCH", "CGO_ENABLED", "CC"} {
 		env = append(env, name+"="+ts.Getenv(name))
 	}
 	cmd := exec.CommandContext(context.Background(), bin, args[1:]...)
