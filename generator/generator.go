@@ -144,7 +144,10 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 			files = append(files, File{Path: path})
 		}
 	}
-	if len(withErrs) > 0 && len(files) > 0 {
+	// Also when this run generates nothing: a package run alone (idemgen
+	// check ./cmd/shop) sees its dependencies without their generated
+	// files too, and its uses of their names fail until checked this way.
+	if len(withErrs) > 0 {
 		if again, ok := recheck(ctx, cfg, bc, withErrs, files); ok {
 			loadErrs = again
 		}
