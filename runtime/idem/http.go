@@ -38,6 +38,12 @@ const (
 	MaxKeyLength = 255
 
 	rollbackTimeout = 5 * time.Second
+	// answerSlack is how long past the wait the round trips before the
+	// function (begin, claim) may take to come back: the claim's lock_timeout
+	// ends at the wait, and this covers the network. A database that does not
+	// answer by then (a partition, a stalled server) is a 503, and the
+	// connection is closed, so nothing it was doing can commit.
+	answerSlack = time.Second
 	// A duplicate of a key in flight in another process polls for it, never
 	// holding a connection between polls: from pollMin doubling to pollMax.
 	pollMin = 10 * time.Millisecond
@@ -467,11 +473,17 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	defer conn.Release()
 	defer rollback(ctx, tx) // after Commit this is a no-op
 
-	claimed, found, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
+	cctx, cancel := answerBound(ctx, deadline)
+	claimed, found, row, err := db.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
 		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
 	})
+	err = unanswered(ctx, cctx, "claim", err)
+	cancel()
 	if err != nil {
+		if errors.Is(err, errBusy) {
+			return nil, err
+		}
 		switch pgCode(err) {
 		case "55P03": // lock_timeout: not our key's lock, which is never waited on
 			return nil, fmt.Errorf("%w: claim waited for a table or row lock past the wait bound: %w", errBusy, err)
@@ -513,7 +525,10 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 			lockTimeout = max(time.Until(deadline), time.Millisecond)
 		}
 		check := h.connCheckMS.Load()
-		tx, err := conn.BeginTx(ctx, db.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		bctx, cancel := answerBound(ctx, deadline)
+		tx, err := conn.BeginTx(bctx, db.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		err = unanswered(ctx, bctx, "begin", err)
+		cancel()
 		if err == nil {
 			return tx, conn, nil
 		}
@@ -523,8 +538,29 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 				"err", err)
 			continue
 		}
+		if errors.Is(err, errBusy) {
+			return nil, nil, err
+		}
 		return nil, nil, storageErr(ctx, "begin", err)
 	}
+}
+
+// answerBound returns ctx bounded for a round trip of the runtime's own
+// before the function runs: it must come back within the wait plus
+// answerSlack.
+func answerBound(ctx context.Context, deadline time.Time) (context.Context, context.CancelFunc) {
+	return context.WithDeadline(ctx, deadline.Add(answerSlack))
+}
+
+// unanswered turns err into errBusy when bctx, answerBound's context, ran out
+// while ctx did not: the database did not answer in time (pgx has closed the
+// connection, so whatever the server was doing rolls back). Other errors,
+// including ctx's own cancellation, pass through.
+func unanswered(ctx, bctx context.Context, doing string, err error) error {
+	if err != nil && ctx.Err() == nil && bctx.Err() != nil {
+		return fmt.Errorf("%w: %s: the database did not answer within the wait: %w", errBusy, doing, err)
+	}
+	return err
 }
 
 // connCheckRefused reports a server that cannot set

@@ -1,0 +1,103 @@
+package idem_test
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/faultproxy"
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// The tests of this file are an outside review's regression tests (issue 9
+// follow-up). They use their own client: net/http with a per-request
+// deadline, never the handler in-process.
+
+// callWithin sends a POST with key ("" for none) and answers the status and
+// header, or status -1 when no response came within limit (the client's own
+// bound, far above any bound the runtime promises).
+func callWithin(t *testing.T, limit time.Duration, method, url, key, body string) (int, http.Header, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		return -1, nil, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, string(b)
+}
+
+// A database that stops answering (a network partition: the TCP connection
+// stays open, no byte comes back) while a request begins its transaction or
+// claims its key: the answer is a 503 with Retry-After shortly after wait,
+// not a request hanging until the client gives up, and nothing commits — the
+// same key runs once the database is back.
+func TestUnansweringDatabaseIs503WithinWait(t *testing.T) {
+	t.Parallel()
+	base := pgtest.Schema(t)
+	proxy := faultproxy.New(t, faultproxy.PostgresTarget(base))
+	cfg, err := pgxpool.ParseConfig(proxy.RewriteURL(base))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) {
+		calls.Add(1)
+		_, err := tx.Exec(ctx, "SELECT 1")
+		return receipt{Order: r.Order}, err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/keyed", idem.Handle(engine, idem.Endpoint{Scope: "keyed", Wait: 300 * time.Millisecond}, fn))
+	mux.Handle("/optional", idem.Handle(engine, idem.Endpoint{Scope: "optional", Wait: 300 * time.Millisecond, KeyOptional: true}, fn))
+	url := serveReal(t, mux)
+	// Warm the pool, so the requests below reuse a connection made before the
+	// partition (the begin goes out on it and is never answered).
+	if st, _, b := callWithin(t, 10*time.Second, "POST", url+"/keyed", "warm", body1); st != http.StatusOK {
+		t.Fatalf("warm-up: %d %s", st, b)
+	}
+
+	for _, c := range []struct{ path, key string }{{"/keyed", "k-partition"}, {"/optional", ""}} {
+		proxy.Blackhole()
+		st, h, b := callWithin(t, 10*time.Second, "POST", url+c.path, c.key, body1)
+		proxy.Restore()
+		if st != http.StatusServiceUnavailable || h.Get("Retry-After") == "" || h.Get("Content-Type") != "application/problem+json" {
+			t.Fatalf("%s during a partition: status %d (-1: no answer within 10s, wait is 300ms), Retry-After %q: %s",
+				c.path, st, h.Get("Retry-After"), b)
+		}
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("the function ran %d times, want 1 (the warm-up only)", n)
+	}
+	if st, h, b := callWithin(t, 10*time.Second, "POST", url+"/keyed", "k-partition", body1); st != http.StatusOK || h.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("same key after the partition: %d replayed=%q %s", st, h.Get("Idempotent-Replayed"), b)
+	}
+}
