@@ -307,6 +307,10 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 		if err != nil {
 			var e *Error
 			if errors.As(err, &e) {
+				if !e.isFailure() {
+					h.logger.ErrorContext(r.Context(), "Principal returned an *idem.Error whose status is not 4xx or 5xx", "status", e.Status, "err", err)
+					return nil, &Error{Status: http.StatusInternalServerError, Err: err}
+				}
 				return nil, e
 			}
 			return nil, &Error{Status: http.StatusUnauthorized, Detail: err.Error(), Err: err}
@@ -689,6 +693,12 @@ func (h *HTTP) replayHeaders(header http.Header) http.Header {
 func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	var e *Error
 	switch {
+	case errors.As(err, &e) && !e.isFailure():
+		// A failure answered as a success (200) or a redirect would tell the
+		// client that what was rolled back happened; an invalid code would
+		// make net/http panic and drop the connection.
+		h.logger.ErrorContext(r.Context(), "function returned an *idem.Error whose status is not 4xx or 5xx", "scope", ep.Scope, "status", e.Status, "err", err)
+		return &Error{Status: http.StatusInternalServerError, Err: err}
 	case errors.As(err, &e):
 		if e.Status >= 500 {
 			h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "status", e.Status, "err", err)

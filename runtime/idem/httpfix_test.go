@@ -101,3 +101,40 @@ func TestUnansweringDatabaseIs503WithinWait(t *testing.T) {
 		t.Fatalf("same key after the partition: %d replayed=%q %s", st, h.Get("Idempotent-Replayed"), b)
 	}
 }
+
+// An *idem.Error whose status is not a 4xx or 5xx, from the function or from
+// Principal, is a programming error answered as a 500 problem: not a 200 or
+// a 302 for work that was rolled back (the client would take it for done),
+// and not a net/http panic that drops the connection (status 0, 99, 1000).
+func TestErrorStatusOutsideFailuresIs500(t *testing.T) {
+	e := newEnv(t)
+	for _, status := range []int{0, 99, 200, 201, 302, 1000} {
+		var calls atomic.Int64
+		e.cfg = idem.HTTPConfig{}
+		fromFunction := serveReal(t, idem.Handle(e.engine(), idem.Endpoint{Scope: "f"},
+			func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) {
+				calls.Add(1)
+				if _, err := tx.Exec(ctx, `INSERT INTO effects (order_id, amount) VALUES ('rolled back', 1)`); err != nil {
+					return receipt{}, err
+				}
+				return receipt{}, &idem.Error{Status: status, Detail: "not a failure status"}
+			}))
+		e.cfg = idem.HTTPConfig{Principal: func(*http.Request) (string, error) {
+			return "", &idem.Error{Status: status, Detail: "not a failure status"}
+		}}
+		fromPrincipal := serveReal(t, idem.Handle(e.engine(), idem.Endpoint{Scope: "p"},
+			func(context.Context, pgx.Tx, chargeReq) (receipt, error) { calls.Add(1); return receipt{}, nil }))
+		for _, url := range []string{fromFunction, fromPrincipal} {
+			st, h, b := callWithin(t, 10*time.Second, "POST", url, "k", body1)
+			if st != http.StatusInternalServerError || h.Get("Content-Type") != "application/problem+json" {
+				t.Fatalf("*Error{Status: %d}: answered %d (-1: connection dropped) %q %s", status, st, h.Get("Content-Type"), b)
+			}
+		}
+		if calls.Load() != 1 {
+			t.Fatalf("*Error{Status: %d}: %d calls, want 1 (the function; Principal's failure stops the other)", status, calls.Load())
+		}
+	}
+	if n := e.effects(); n != 0 || e.keys() != 0 {
+		t.Fatalf("%d effects, %d keys stored by failures", n, e.keys())
+	}
+}
