@@ -138,3 +138,45 @@ func TestErrorStatusOutsideFailuresIs500(t *testing.T) {
 		t.Fatalf("%d effects, %d keys stored by failures", n, e.keys())
 	}
 }
+
+// Advisory locks are per database, not per schema. Two services (or tenants,
+// or tests) with their own schemas in one database, same scope, same key:
+// one's request in flight must not make the other's a 409 (NoWait) or a
+// wait. The key's lock id is per idem_keys table.
+func TestSameKeyInAnotherSchemaIsNotInFlight(t *testing.T) {
+	t.Parallel()
+	entered, finish := make(chan struct{}), make(chan struct{})
+	serve := func(block bool) string {
+		pool := pgtest.Pool(t)
+		if err := idem.Migrate(context.Background(), pool); err != nil {
+			t.Fatal(err)
+		}
+		engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return serveReal(t, idem.Handle(engine, idem.Endpoint{Scope: "shared.scope", NoWait: true},
+			func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) {
+				if block {
+					close(entered)
+					<-finish
+				}
+				return receipt{Order: r.Order}, nil
+			}))
+	}
+	first, second := serve(true), serve(false)
+	done := make(chan int, 1)
+	go func() {
+		st, _, _ := callWithin(t, 20*time.Second, "POST", first, "shared-key", body1)
+		done <- st
+	}()
+	<-entered
+	st, _, b := callWithin(t, 10*time.Second, "POST", second, "shared-key", body1)
+	close(finish)
+	if st != http.StatusOK {
+		t.Fatalf("same key in another schema's table while the first is in flight: %d %s", st, b)
+	}
+	if st := <-done; st != http.StatusOK {
+		t.Fatalf("first: %d", st)
+	}
+}
