@@ -429,14 +429,19 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		return h.run(ctx, ep, in, tx, call)
 	}
 	stored := in.key.storageKey()
-	release, err := h.flights.wait(ctx, stored, deadline, ep.NoWait)
-	if err != nil {
-		return nil, err
+	turn, out, err := h.flights.wait(ctx, stored, in.fingerprint, deadline, ep.NoWait)
+	if err != nil || out != nil {
+		return out, err
 	}
-	defer release()
+	defer turn.release()
 	poll := pollMin
 	for polled := false; ; polled = true {
 		out, err := h.attempt(ctx, ep, in, stored, deadline, call)
+		if err == nil {
+			// out is now the key's stored response: the duplicates waiting
+			// for the turn answer it without touching the database.
+			turn.publish(&response{status: out.status, header: h.replayHeaders(out.header), body: out.body, replayed: true}, in.fingerprint)
+		}
 		switch {
 		case errors.Is(err, errElsewhere):
 			if ep.NoWait {

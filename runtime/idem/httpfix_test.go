@@ -180,3 +180,94 @@ func TestSameKeyInAnotherSchemaIsNotInFlight(t *testing.T) {
 		t.Fatalf("first: %d", st)
 	}
 }
+
+// Duplicates waiting in this process for a key whose first request then
+// completes answer its stored response, as a replay, without touching the
+// database: never a 409 "still being processed" for a key that completed,
+// nor a 503 because replaying needed a connection or a lock. Here the
+// idem_keys table is locked (a migration, say) the moment the first request
+// commits, so any duplicate that went to the database to replay would wait
+// for that lock until its wait ran out.
+func TestWaitingDuplicatesReplayTheCompletedResponse(t *testing.T) {
+	e := newEnv(t)
+	entered, finish := make(chan struct{}), make(chan struct{})
+	e.hook = func(ctx context.Context, tx pgx.Tx, req chargeReq) error {
+		if req.Order == "o-1" {
+			close(entered)
+			<-finish
+		}
+		return nil
+	}
+	engine := e.engine()
+	ep := idem.Endpoint{Scope: "test.charge", Status: http.StatusCreated, Wait: 2 * time.Second}
+	url := serveReal(t, idem.Handle(engine, ep, e.charge))
+
+	type answer struct {
+		status int
+		header http.Header
+		body   string
+	}
+	first := make(chan answer, 1)
+	go func() {
+		st, h, b := callWithin(t, 20*time.Second, "POST", url, "storm", body1)
+		first <- answer{st, h, b}
+	}()
+	<-entered
+	const dups = 10
+	answers := make(chan answer, dups)
+	for range dups {
+		go func() {
+			st, h, b := callWithin(t, 20*time.Second, "POST", url, "storm", body1)
+			answers <- answer{st, h, b}
+		}()
+	}
+	// And one with the same key but another body: a client bug, 422.
+	other := make(chan answer, 1)
+	go func() {
+		st, h, b := callWithin(t, 20*time.Second, "POST", url, "storm", `{"order":"o-2","amount":1}`)
+		other <- answer{st, h, b}
+	}()
+	waitFor(t, func() bool { return idem.FlightUsers(engine) == dups+2 })
+
+	// Queue an ACCESS EXCLUSIVE lock behind the first request: it is granted
+	// when that request commits, before any duplicate can claim.
+	locker, err := e.pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(context.Background()) }()
+	var lockerPID int
+	if err := locker.QueryRow(context.Background(), `SELECT pg_backend_pid()`).Scan(&lockerPID); err != nil {
+		t.Fatal(err)
+	}
+	locked := make(chan error, 1)
+	go func() {
+		_, err := locker.Exec(context.Background(), `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`)
+		locked <- err
+	}()
+	waitFor(t, func() bool {
+		return pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted`, lockerPID) == 1
+	})
+	close(finish)
+	a := <-first
+	if a.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", a.status, a.body)
+	}
+	if err := <-locked; err != nil {
+		t.Fatal(err)
+	}
+	for range dups {
+		d := <-answers
+		if d.status != http.StatusCreated || d.header.Get("Idempotent-Replayed") != "true" || d.body != a.body ||
+			d.header.Get("Location") != a.header.Get("Location") || d.header.Get("Set-Cookie") != "" {
+			t.Fatalf("waiting duplicate: %d replayed=%q Location=%q Set-Cookie=%q %s (first: %s)", d.status,
+				d.header.Get("Idempotent-Replayed"), d.header.Get("Location"), d.header.Get("Set-Cookie"), d.body, a.body)
+		}
+	}
+	if n := e.calls.Load(); n != 1 {
+		t.Fatalf("%d calls", n)
+	}
+	if o := <-other; o.status != http.StatusUnprocessableEntity {
+		t.Fatalf("same key, another body: %d %s", o.status, o.body)
+	}
+}
