@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -269,5 +270,77 @@ func TestWaitingDuplicatesReplayTheCompletedResponse(t *testing.T) {
 	}
 	if o := <-other; o.status != http.StatusUnprocessableEntity {
 		t.Fatalf("same key, another body: %d %s", o.status, o.body)
+	}
+}
+
+// Upgrade path: a database on an older schema (the first release's, which
+// had no idem_schema_version) with requests in flight on every idemgen
+// table. N processes migrate it at once; each must finish (the old
+// CREATE INDEX IF NOT EXISTS and CREATE OR REPLACE TRIGGER took locks those
+// requests held against them, so Migrate timed out and backed off until its
+// context ended, stalling each new request up to a second per attempt), and
+// the result is the current schema with every index and the trigger.
+func TestMigrateUpgradeUnderLoadFromManyProcesses(t *testing.T) {
+	t.Parallel()
+	old, err := os.ReadFile("testdata/schema-817b008.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dbURL := pgtest.Schema(t)
+	pool, err := pgxpool.New(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	pgtest.Exec(t, pool, string(old))
+	// Requests in flight: a claim, a consumed event and an enqueued event,
+	// uncommitted, holding ROW EXCLUSIVE on their tables.
+	release := lockTable(t, pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at) VALUES ('s', '', 'in-flight', '', now() + interval '1 hour');
+		INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset) VALUES ('c', 'e', 't', 0, 0);
+		INSERT INTO idem_outbox (topic, payload) VALUES ('t', 'p')`)
+	defer release()
+
+	const n = 4
+	children := make([]*childProc, n)
+	for i := range children {
+		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
+	}
+	for i, c := range children {
+		select {
+		case <-c.exited:
+			if c.err != nil {
+				t.Fatalf("migrating process %d: %v", i, c.err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("migrating process %d still running after 30s with requests in flight", i)
+		}
+	}
+	if v := pgtest.Count(t, pool, `SELECT count(*) FROM idem_schema_version WHERE digest = $1`, idem.SchemaVersion()); v != 1 {
+		t.Fatal("schema version not recorded")
+	}
+	release()
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN
+		('idem_keys_expires_at', 'idem_processed_events_processed_at', 'idem_outbox_pending', 'idem_outbox_publishing', 'idem_outbox_published')`); n != 5 {
+		t.Fatalf("%d of 5 indexes", n)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_trigger WHERE tgrelid = 'idem_outbox'::regclass AND tgname = 'idem_outbox_notify'`); n != 1 {
+		t.Fatal("no outbox trigger")
+	}
+}
+
+// A fresh schema gets every index and the trigger from Migrate (the catalog
+// checks of schema.sql create what is missing).
+func TestMigrateFreshCreatesIndexesAndTrigger(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t)
+	for range 2 { // the second run finds everything and creates nothing
+		pgtest.Exec(t, pool, idem.Schema())
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN
+		('idem_keys_expires_at', 'idem_processed_events_processed_at', 'idem_outbox_pending', 'idem_outbox_publishing', 'idem_outbox_published')`); n != 5 {
+		t.Fatalf("%d of 5 indexes", n)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_trigger WHERE tgrelid = 'idem_outbox'::regclass AND tgname = 'idem_outbox_notify'`); n != 1 {
+		t.Fatal("no outbox trigger")
 	}
 }
