@@ -240,7 +240,7 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		panic(fmt.Sprintf("idem.Handle %s: %v", ep.Scope, err))
 	}
 	method := ep.method()
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return endpointHandler{method: method, serve: func(w http.ResponseWriter, r *http.Request) {
 		if method != "" && r.Method != method {
 			w.Header().Set("Allow", method)
 			writeProblem(w, &Error{Status: http.StatusMethodNotAllowed,
@@ -264,8 +264,18 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 			return
 		}
 		out.write(w)
-	})
+	}}
 }
+
+// endpointHandler is the handler Handle returns. Its method lets
+// HandleRoute's 405 leave out of Allow a method that ServeMux routes to it
+// but that it refuses (HEAD, which ServeMux serves with a GET pattern).
+type endpointHandler struct {
+	method string // "" accepts any
+	serve  http.HandlerFunc
+}
+
+func (e endpointHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) { e.serve(w, r) }
 
 // request is what serve needs of an HTTP request, read and validated before
 // any database work, so that a bad request stores nothing.

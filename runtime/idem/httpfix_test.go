@@ -365,3 +365,32 @@ func TestMigrateCurrentWaitsForNothing(t *testing.T) {
 		t.Fatalf("Migrate on a current schema while another process holds the migration lock: %v", err)
 	}
 }
+
+// Allow lists only methods that are served. ServeMux routes HEAD to a GET
+// pattern, but an idempotent GET endpoint refuses HEAD (405: it would run
+// the function); the 405 of another method must not advertise HEAD then.
+// A user's own GET handler does serve HEAD, and Allow says so.
+func TestAllowOmitsHeadRefusedByGetEndpoint(t *testing.T) {
+	e := newEnv(t)
+	engine := e.engine()
+	fn := func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) { return receipt{}, nil }
+	mux := http.NewServeMux()
+	idem.HandleRoute(mux, "POST /x", idem.Handle(engine, idem.Endpoint{Scope: "p", Route: "POST /x"}, fn))
+	idem.HandleRoute(mux, "GET /x", idem.Handle(engine, idem.Endpoint{Scope: "g", Route: "GET /x"}, fn))
+	idem.HandleRoute(mux, "POST /y", idem.Handle(engine, idem.Endpoint{Scope: "y", Route: "POST /y"}, fn))
+	mux.HandleFunc("GET /y", func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, "user's") })
+	url := serveReal(t, mux)
+	st, _, _ := callWithin(t, 10*time.Second, "HEAD", url+"/x", "k", "")
+	if st != http.StatusMethodNotAllowed {
+		t.Fatalf("HEAD on the idempotent GET: %d, want 405", st)
+	}
+	for path, want := range map[string]string{"/x": "GET, POST", "/y": "GET, HEAD, POST"} {
+		st, h, b := callWithin(t, 10*time.Second, "DELETE", url+path, "k", "")
+		if st != http.StatusMethodNotAllowed || h.Get("Allow") != want {
+			t.Fatalf("DELETE %s: %d Allow %q, want 405 Allow %q: %s", path, st, h.Get("Allow"), want, b)
+		}
+	}
+	if st, _, _ := callWithin(t, 10*time.Second, "HEAD", url+"/y", "", ""); st != http.StatusOK {
+		t.Fatalf("HEAD on the user's GET: %d", st)
+	}
+}
