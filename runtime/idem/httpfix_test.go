@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -392,5 +393,41 @@ func TestAllowOmitsHeadRefusedByGetEndpoint(t *testing.T) {
 	}
 	if st, _, _ := callWithin(t, 10*time.Second, "HEAD", url+"/y", "", ""); st != http.StatusOK {
 		t.Fatalf("HEAD on the user's GET: %d", st)
+	}
+}
+
+// A 64-bit collision of the in-flight lock between two keys looks, to the
+// second key, like its lock held elsewhere. Standing for one by holding the
+// second key's lock id: a completed key still replays its own response, a
+// new key waits and is a 409 (never runs, never gets another key's
+// response), and runs once the lock is free. So a collision costs a wait,
+// never a wrong replay.
+func TestLockCollisionOnlyDelays(t *testing.T) {
+	e := newEnv(t)
+	url := serveReal(t, e.handler(idem.Endpoint{Wait: 300 * time.Millisecond})) + "/charges"
+	if st, _, b := callWithin(t, 10*time.Second, "POST", url, "done-key", body1); st != http.StatusCreated {
+		t.Fatalf("%d %s", st, b)
+	}
+	hold := func(key string) func() {
+		id := idem.LockID(idem.Key{Scope: "test.charge", Key: key})
+		return lockTable(t, e.pool, fmt.Sprintf(`SELECT pg_advisory_xact_lock(%d # 'idem_keys'::regclass::oid::bigint)`, id))
+	}
+	release := hold("done-key")
+	st, h, _ := callWithin(t, 10*time.Second, "POST", url, "done-key", body1)
+	release()
+	if st != http.StatusCreated || h.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("completed key under a colliding lock: %d replayed=%q", st, h.Get("Idempotent-Replayed"))
+	}
+	release = hold("new-key")
+	st, _, b := callWithin(t, 10*time.Second, "POST", url, "new-key", body1)
+	release()
+	if st != http.StatusConflict {
+		t.Fatalf("new key under a colliding lock: %d %s", st, b)
+	}
+	if e.calls.Load() != 1 {
+		t.Fatalf("%d calls", e.calls.Load())
+	}
+	if st, h, b := callWithin(t, 10*time.Second, "POST", url, "new-key", body1); st != http.StatusCreated || h.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("new key once free: %d %s", st, b)
 	}
 }
