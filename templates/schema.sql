@@ -60,27 +60,70 @@ END
 $$;
 
 -- idem_dead_letters keeps the records a consumer could not apply (undecodable,
--- or failing past the retry budget), raw, so nothing is silently dropped. One
--- row per (context, topic, partition, offset): a redelivery after a crash does
--- not duplicate it.
+-- without an event id, or failing past the retry budget), raw, so nothing is
+-- silently dropped. Everything that came from the broker is stored as bytes:
+-- key, value, and the headers as two parallel arrays (repeated names kept, in
+-- order), so no byte sequence can make the insert fail; last_error is
+-- sanitized text. Rows are identified by id, never by (topic, partition,
+-- offset): an offset can be reused (topic re-created, cluster restored) and a
+-- new poison record must not collide with an old one. Only an exact
+-- redelivery — same context, position and record_digest (a hash of key, value
+-- and headers) — is stored once. replayed_at is set, in the same transaction
+-- as the replay's effects, when an operator replays the dead letter.
 CREATE TABLE IF NOT EXISTS idem_dead_letters (
-    id          bigserial   PRIMARY KEY,
-    context     text        NOT NULL,
-    topic       text        NOT NULL,
-    kpartition  integer     NOT NULL,
-    koffset     bigint      NOT NULL,
-    record_key  bytea,
-    value       bytea,
-    headers     jsonb       NOT NULL DEFAULT '{}',
-    attempts    integer     NOT NULL,
-    last_error  text        NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now(),
-    UNIQUE (context, topic, kpartition, koffset)
+    id             bigserial   PRIMARY KEY,
+    context        text        NOT NULL,
+    topic          text        NOT NULL,
+    kpartition     integer     NOT NULL,
+    koffset        bigint      NOT NULL,
+    record_key     bytea,
+    value          bytea,
+    header_keys    bytea[]     NOT NULL DEFAULT '{}',
+    header_values  bytea[]     NOT NULL DEFAULT '{}',
+    record_digest  bytea       NOT NULL DEFAULT '',
+    attempts       integer     NOT NULL,
+    last_error     text        NOT NULL,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    replayed_at    timestamptz
 );
 
+-- Upgrade of a table created by an earlier version (headers jsonb, one row per
+-- (context, topic, kpartition, koffset)). Each statement is a no-op on a
+-- current table. The old jsonb headers are copied into the arrays before the
+-- column is dropped (the old format had already lost repeated names and
+-- non-UTF-8 bytes; what it kept is kept).
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS header_keys bytea[] NOT NULL DEFAULT '{}';
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS header_values bytea[] NOT NULL DEFAULT '{}';
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS record_digest bytea NOT NULL DEFAULT '';
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS replayed_at timestamptz;
+ALTER TABLE idem_dead_letters DROP CONSTRAINT IF EXISTS idem_dead_letters_context_topic_kpartition_koffset_key;
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM information_schema.columns
+               WHERE table_schema = current_schema() AND table_name = 'idem_dead_letters' AND column_name = 'headers') THEN
+        EXECUTE $u$
+            UPDATE idem_dead_letters d
+            SET header_keys = h.ks, header_values = h.vs
+            FROM (SELECT id,
+                         array_agg(convert_to(e.key, 'UTF8') ORDER BY e.key) AS ks,
+                         array_agg(convert_to(e.value, 'UTF8') ORDER BY e.key) AS vs
+                  FROM idem_dead_letters, jsonb_each_text(headers) AS e
+                  GROUP BY id) h
+            WHERE d.id = h.id
+        $u$;
+        ALTER TABLE idem_dead_letters DROP COLUMN headers;
+    END IF;
+END;
+$$;
+
+CREATE UNIQUE INDEX IF NOT EXISTS idem_dead_letters_delivery
+    ON idem_dead_letters (context, topic, kpartition, koffset, record_digest);
+
 -- idem_outbox holds events written in business transactions until the relay
--- has published them: PENDING -> PUBLISHING (claimed by one relay, under a
--- claim token and a lease) -> PUBLISHED, or PARKED after too many failures.
+-- has published them: PENDING -> PUBLISHING (claimed by the leading relay,
+-- under its lease token) -> PUBLISHED, or PARKED after a permanent error or
+-- too many failures while other events got through. attempts counts only
+-- failures charged to the row itself, never a broker-wide outage.
 CREATE TABLE IF NOT EXISTS idem_outbox (
     id           bigserial   PRIMARY KEY,
     event_id     text        NOT NULL UNIQUE DEFAULT gen_random_uuid()::text,
@@ -112,8 +155,27 @@ BEGIN
                    WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_published') THEN
         CREATE INDEX idem_outbox_published ON idem_outbox (published_at) WHERE status = 'PUBLISHED';
     END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_parked') THEN
+        CREATE INDEX idem_outbox_parked ON idem_outbox (topic, id) WHERE status = 'PARKED';
+    END IF;
 END
 $$;
+
+-- idem_relay_leader is the relay's leadership lease: one row per outbox. The
+-- leader renews expires_at (PostgreSQL's clock, never a replica's) every
+-- third of the lease; a standby takes the row over once it has expired, with
+-- a new token. Outbox rows are claimed and marked only under the current
+-- token, so a leader that froze and woke up after losing the lease can
+-- neither claim nor mark. A lease, not a session lock: a leader that is stuck
+-- but still connected loses it all the same.
+CREATE TABLE IF NOT EXISTS idem_relay_leader (
+    name        text        PRIMARY KEY,
+    holder      text        NOT NULL,
+    token       text        NOT NULL,
+    acquired_at timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL
+);
 
 -- Wake the relay when an enqueueing transaction commits: NOTIFY is delivered
 -- at commit, and never for a transaction that rolls back.

@@ -98,6 +98,10 @@ func runDemo(ctx context.Context, out io.Writer) error {
 
 	order4, key4 := "order-"+run+"-4", "pay-"+run+"-4"
 	prov.LoseNextResponse(order4)
+	// On a fresh connection: net/http re-sends a request carrying an
+	// Idempotency-Key by itself when a reused connection drops it, which
+	// would hide whether the idem client's own retry keeps the key.
+	currentProvider().http.CloseIdleConnections()
 	lost := c.post("8. the provider charges, but its answer to the service is lost on the way", key4,
 		fmt.Sprintf(`{"order_id":%q,"amount":2500,"currency":"EUR"}`, order4))
 	c.expect(lost.status == http.StatusCreated, "201: the service retried the provider with the same key and got the charge back, got %d", lost.status)
@@ -214,7 +218,7 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 		return nil, err
 	}
 	cfg.Group = "payments-demo-" + run
-	consumer, err := kafka.NewConsumer(pool, cfg)
+	consumer, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -223,7 +227,10 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 		return nil, err
 	}
 	defer pub.Close()
-	relay := &idem.Relay{Pool: pool, Publisher: pub}
+	relay, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{})
+	if err != nil {
+		return nil, err
+	}
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = consumer.Run(ctx) }()
 	go func() { defer wg.Done(); _ = relay.Run(ctx) }()

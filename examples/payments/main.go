@@ -255,12 +255,12 @@ func consume(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c, err := kafka.NewConsumer(pool, cfg)
+		cfg.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
+			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+		}
+		c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 		if err != nil {
 			return err
-		}
-		c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
 		}
 		slog.Info("payments consuming", "brokers", brokers)
 		return c.Run(ctx)
@@ -274,7 +274,18 @@ func relay(ctx context.Context) error {
 			return err
 		}
 		defer pub.Close()
-		r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+		cfg := idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }}
+		// Tests shorten the lease so a standby (or a restarted relay) takes
+		// over a killed leader quickly; production keeps the default.
+		if d := os.Getenv("RELAY_LEASE"); d != "" {
+			if cfg.Lease, err = time.ParseDuration(d); err != nil {
+				return fmt.Errorf("RELAY_LEASE: %w", err)
+			}
+		}
+		r, err := idem.NewRelay(idem.NewStore(pool), pub, cfg)
+		if err != nil {
+			return err
+		}
 		return r.Run(ctx)
 	})
 }

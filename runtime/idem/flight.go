@@ -20,6 +20,9 @@ import (
 type flights struct {
 	mu sync.Mutex
 	m  map[Key]*flight
+	// waited, if set, is told about each request that has to wait for its
+	// key's turn (the idem.http.key_waits counter).
+	waited func(context.Context)
 }
 
 type flight struct {
@@ -130,6 +133,9 @@ func (f *flights) wait(ctx context.Context, key Key, fingerprint []byte, deadlin
 		// the holder is really running the key (409) or only replaying it.
 		f.leave(key, fl)
 		return nil, nil, nil
+	}
+	if f.waited != nil {
+		f.waited(ctx)
 	}
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()

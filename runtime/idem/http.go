@@ -20,9 +20,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
 // Defaults for Endpoint and HTTPConfig fields left zero.
@@ -158,6 +161,11 @@ type HTTPConfig struct {
 	// Logger receives failures that are not the client's fault (default
 	// slog.Default()).
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the engine's metrics and
+	// spans (nil: the global providers, no-ops until the service installs
+	// an OpenTelemetry SDK). See the README's "Metrics and traces".
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
 
 // HTTP serves //idem:http endpoints on a Store. Create it with NewHTTP; it
@@ -174,6 +182,7 @@ type HTTP struct {
 	// 0 when off (configured so, or refused by the server).
 	connCheckMS atomic.Int64
 	flights     flights
+	tel         *telemetry.Telemetry
 }
 
 // NewHTTP returns an HTTP engine on store configured by cfg, which it
@@ -220,6 +229,8 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 	if h.logger == nil {
 		h.logger = slog.Default()
 	}
+	h.tel = telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
+	h.flights.waited = func(ctx context.Context) { h.tel.HTTPWaited(ctx, endpointName(ctx)) }
 	return h, nil
 }
 
@@ -240,7 +251,15 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		panic(fmt.Sprintf("idem.Handle %s: %v", ep.Scope, err))
 	}
 	method := ep.method()
+	name := ep.Route
+	if name == "" {
+		name = ep.Scope
+	}
 	return endpointHandler{method: method, serve: func(w http.ResponseWriter, r *http.Request) {
+		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
+		r = r.WithContext(ctx)
+		w = &statusRecorder{ResponseWriter: w}
+		defer func() { done(w.(*statusRecorder).outcome()) }()
 		if method != "" && r.Method != method {
 			w.Header().Set("Allow", method)
 			writeProblem(w, &Error{Status: http.StatusMethodNotAllowed,
@@ -260,9 +279,11 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		call := func(ctx context.Context, tx pgx.Tx) (any, error) { return fn(ctx, tx, req) }
 		out, err := h.serve(r.Context(), ep, in, call)
 		if err != nil {
+			w.(*statusRecorder).err = err
 			writeProblem(w, h.problemFor(r, ep, err))
 			return
 		}
+		w.(*statusRecorder).replayed = out.replayed
 		out.write(w)
 	}}
 }
@@ -276,6 +297,48 @@ type endpointHandler struct {
 }
 
 func (e endpointHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) { e.serve(w, r) }
+
+// endpointCtx carries the endpoint's name to instruments deep in serve.
+type endpointCtx struct{}
+
+func endpointName(ctx context.Context) string {
+	s, _ := ctx.Value(endpointCtx{}).(string)
+	return s
+}
+
+// statusRecorder remembers what Handle answered, for the outcome attribute:
+// "executed", "replayed", or the status code of a problem.
+type statusRecorder struct {
+	http.ResponseWriter
+	status   int
+	replayed bool
+	err      error
+}
+
+func (s *statusRecorder) WriteHeader(code int) {
+	if s.status == 0 {
+		s.status = code
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+// Unwrap lets http.ResponseController reach the real writer.
+func (s *statusRecorder) Unwrap() http.ResponseWriter { return s.ResponseWriter }
+
+func (s *statusRecorder) outcome() (string, error) {
+	switch {
+	case s.replayed:
+		return "replayed", nil
+	case s.status == 0 || s.status < 300:
+		return "executed", nil
+	}
+	if s.status < 500 {
+		// The client's mistake: an outcome, not a server span error (as
+		// OpenTelemetry's HTTP conventions have it).
+		return strconv.Itoa(s.status), nil
+	}
+	return strconv.Itoa(s.status), s.err
+}
 
 // request is what serve needs of an HTTP request, read and validated before
 // any database work, so that a bad request stores nothing.
@@ -456,6 +519,9 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		case errors.Is(err, errElsewhere):
 			if ep.NoWait {
 				return nil, errInFlight
+			}
+			if !polled {
+				h.tel.HTTPWaited(ctx, endpointName(ctx)) // in flight on another replica
 			}
 		case errors.Is(err, errRetryClaim):
 		case polled && errors.Is(err, errBusy) && !time.Now().Before(deadline):
