@@ -275,8 +275,8 @@ func TestWaitingDuplicatesReplayTheCompletedResponse(t *testing.T) {
 }
 
 // Upgrade path: a database on an older schema (the first release's, which
-// had no idem_schema_version) with requests in flight on every idemgen
-// table. N processes migrate it at once; each must finish (the old
+// had no idem_schema_version) with requests in flight on the keys and the
+// processed events. N processes migrate it at once; each must finish (the old
 // CREATE INDEX IF NOT EXISTS and CREATE OR REPLACE TRIGGER took locks those
 // requests held against them, so Migrate timed out and backed off until its
 // context ended, stalling each new request up to a second per attempt), and
@@ -294,11 +294,12 @@ func TestMigrateUpgradeUnderLoadFromManyProcesses(t *testing.T) {
 	}
 	t.Cleanup(pool.Close)
 	pgtest.Exec(t, pool, string(old))
-	// Requests in flight: a claim, a consumed event and an enqueued event,
-	// uncommitted, holding ROW EXCLUSIVE on their tables.
+	// Requests in flight: a claim and a consumed event, uncommitted, holding
+	// ROW EXCLUSIVE on their tables. (Not an outbox insert: this upgrade
+	// builds a new index on idem_outbox, idem_outbox_parked, which must wait
+	// for the outbox's writers.)
 	release := lockTable(t, pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at) VALUES ('s', '', 'in-flight', '', now() + interval '1 hour');
-		INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset) VALUES ('c', 'e', 't', 0, 0);
-		INSERT INTO idem_outbox (topic, payload) VALUES ('t', 'p')`)
+		INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset) VALUES ('c', 'e', 't', 0, 0)`)
 	defer release()
 
 	const n = 4
@@ -321,8 +322,8 @@ func TestMigrateUpgradeUnderLoadFromManyProcesses(t *testing.T) {
 	}
 	release()
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN
-		('idem_keys_expires_at', 'idem_processed_events_processed_at', 'idem_outbox_pending', 'idem_outbox_publishing', 'idem_outbox_published')`); n != 5 {
-		t.Fatalf("%d of 5 indexes", n)
+		('idem_keys_expires_at', 'idem_processed_events_processed_at', 'idem_outbox_pending', 'idem_outbox_publishing', 'idem_outbox_published', 'idem_outbox_parked')`); n != 6 {
+		t.Fatalf("%d of 6 indexes", n)
 	}
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_trigger WHERE tgrelid = 'idem_outbox'::regclass AND tgname = 'idem_outbox_notify'`); n != 1 {
 		t.Fatal("no outbox trigger")
@@ -338,8 +339,8 @@ func TestMigrateFreshCreatesIndexesAndTrigger(t *testing.T) {
 		pgtest.Exec(t, pool, idem.Schema())
 	}
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN
-		('idem_keys_expires_at', 'idem_processed_events_processed_at', 'idem_outbox_pending', 'idem_outbox_publishing', 'idem_outbox_published')`); n != 5 {
-		t.Fatalf("%d of 5 indexes", n)
+		('idem_keys_expires_at', 'idem_processed_events_processed_at', 'idem_outbox_pending', 'idem_outbox_publishing', 'idem_outbox_published', 'idem_outbox_parked')`); n != 6 {
+		t.Fatalf("%d of 6 indexes", n)
 	}
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_trigger WHERE tgrelid = 'idem_outbox'::regclass AND tgname = 'idem_outbox_notify'`); n != 1 {
 		t.Fatal("no outbox trigger")
