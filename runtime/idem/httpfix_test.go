@@ -358,8 +358,8 @@ func TestMigrateCurrentWaitsForNothing(t *testing.T) {
 	if err := idem.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
-	// The same lock as templates/query.sql MigrateLock.
-	release := lockTable(t, pool, `SELECT pg_advisory_xact_lock(7164539873465300001)`)
+	// The same lock as templates/query.sql MigrateLock (per schema).
+	release := lockTable(t, pool, `SELECT pg_advisory_xact_lock(hashtext('idem_migrate'), hashtext(current_schema()))`)
 	defer release()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
