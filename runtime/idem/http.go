@@ -25,6 +25,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/dbx"
 	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
@@ -559,7 +560,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	defer rollback(ctx, tx) // after Commit this is a no-op
 
 	cctx, cancel := answerBound(ctx, deadline)
-	claimed, found, row, err := db.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
+	claimed, found, row, err := dbx.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
 		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
 	})
@@ -611,7 +612,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 		}
 		check := h.connCheckMS.Load()
 		bctx, cancel := answerBound(ctx, deadline)
-		tx, err := conn.BeginTx(bctx, db.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
 		err = unanswered(ctx, bctx, "begin", err)
 		cancel()
 		if err == nil {
