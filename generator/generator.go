@@ -105,7 +105,7 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	models := make([]*pkgModel, len(pkgs))
 	emitted := map[string]map[string]bool{} // package path → generated names
 	for i, pkg := range pkgs {
-		models[i] = buildModel(pkg, errs)
+		models[i] = buildModel(pkg, errs, bc.selects)
 		if m := models[i]; m != nil {
 			emitted[m.path] = m.emitted
 		}

@@ -32,7 +32,7 @@ func CheckPackage(fset *token.FileSet, files []*ast.File, pkg *types.Package, in
 		TypesInfo:       info,
 	}
 	errs := &errorSink{}
-	buildModel(p, errs)
+	buildModel(p, errs, nil)
 	return errs.errs
 }
 

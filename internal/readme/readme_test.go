@@ -150,7 +150,9 @@ func TestREADMEExamplesCompile(t *testing.T) {
 		dir := fmt.Sprintf("line%d", s.line)
 		byDir[dir] = s
 		src, declared, isBody := snippetFile(t, s)
-		if !isBody {
+		// An excerpt of generated output stands in for idem_gen.go: idemgen
+		// on its directory would see its names declared twice.
+		if !isBody && !strings.Contains(s.code, "// "+generator.Header) {
 			declDirs = append(declDirs, "./"+dir)
 		}
 		writeFile(t, filepath.Join(mod, dir, "readme.go"), src)
