@@ -112,11 +112,14 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	}
 	var files []File
 	loadErrs := map[string][]packages.Error{} // by package path
-	var withErrs []string
+	var withErrs, usesGenerated []string
 	for i, pkg := range pkgs {
-		if le := reportLoadErrors(pkg, emitted); len(le) > 0 {
+		le, suppressed := reportLoadErrors(pkg, emitted)
+		if len(le) > 0 {
 			loadErrs[pkg.PkgPath] = le
 			withErrs = append(withErrs, pkg.PkgPath)
+		} else if suppressed {
+			usesGenerated = append(usesGenerated, pkg.PkgPath)
 		}
 		warnIgnoredDirectives(pkg, bc, warn)
 		m := models[i]
@@ -147,6 +150,12 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	// Also when this run generates nothing: a package run alone (idemgen
 	// check ./cmd/shop) sees its dependencies without their generated
 	// files too, and its uses of their names fail until checked this way.
+	// A package whose only errors were uses of generated names is checked
+	// too (how it uses them is judged only now), unless a directive error
+	// already stops the run and left wrappers out.
+	if len(errs.errs) == 0 {
+		withErrs = append(withErrs, usesGenerated...)
+	}
 	if len(withErrs) > 0 {
 		if again, ok := recheck(ctx, cfg, bc, withErrs, files); ok {
 			loadErrs = again

@@ -27,8 +27,12 @@ import (
 // against the generated files (recheck), since the syntax test cannot see
 // every use of a generated name (a method promoted through an embedded
 // field, an interface the generated method satisfies).
-func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool) []packages.Error {
-	var out []packages.Error
+//
+// suppressed reports whether an error was left out as a use of a generated
+// name: such a use (orders.RegisterIdemRoutes(mux) with too few arguments)
+// can only be judged once the name exists, so the caller rechecks the
+// package too.
+func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool) (out []packages.Error, suppressed bool) {
 	expected := map[string]bool{} // "file:line:col" of errors at a generated name
 	for _, te := range pkg.TypeErrors {
 		if usesGenerated(pkg, te.Pos, emitted) {
@@ -44,11 +48,12 @@ func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool)
 			continue
 		}
 		if e.Kind == packages.TypeError && expected[e.Pos] {
+			suppressed = true
 			continue
 		}
 		out = append(out, e)
 	}
-	return out
+	return out, suppressed
 }
 
 // recheck loads the packages with load errors again as the user's build
