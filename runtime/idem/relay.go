@@ -385,6 +385,11 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 			wait = outage.next(100*time.Millisecond, r.cfg.MaxBackoff)
 			log.Warn("broker outage: no record of the batch was acked; backing off",
 				"rows", res.claimed, "first_error", res.firstErr, "retry_in", wait)
+		case res.noneAcked:
+			// Every row was rejected (e.g. its topic does not exist): charged
+			// to the rows, which park after MaxAttempts, but not retried in a
+			// tight loop meanwhile.
+			wait = outage.next(100*time.Millisecond, r.cfg.MaxBackoff)
 		default:
 			outage.reset()
 		}
@@ -427,11 +432,15 @@ func leaseCause(t *term) error {
 }
 
 type batchResult struct {
-	claimed  int
-	outage   bool   // no row acked, and some failed with a retriable error
-	firstErr string // for the log
-	err      error  // the claim failed: back off and retry
-	stepDown error  // the term must end
+	claimed int
+	outage  bool // no row acked, and some failed with a retriable error
+	// noneAcked: every row of the batch failed; back off before the next
+	// claim even if they were all rejections (which count toward parking),
+	// rather than claim the same rows again at once.
+	noneAcked bool
+	firstErr  string // for the log
+	err       error  // the claim failed: back off and retry
+	stepDown  error  // the term must end
 }
 
 // relayBatch claims one batch, publishes it and records the outcome. Once
@@ -485,7 +494,7 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 	crash.Point(t.ctx, "relay.after-publish")
 
 	out := outcome(msgs, errs)
-	res := batchResult{claimed: len(rows), outage: out.outage, firstErr: out.firstErr}
+	res := batchResult{claimed: len(rows), outage: out.outage, noneAcked: out.noneAcked, firstErr: out.firstErr}
 	if err := r.recordUntilDone(t, out, log); err != nil {
 		res.stepDown = err
 	}
@@ -500,6 +509,7 @@ type batchOutcome struct {
 	permanent []bool
 	counted   []bool
 	outage    bool
+	noneAcked bool // every row failed (an outage, or rejections only)
 	firstErr  string
 }
 
@@ -513,24 +523,28 @@ func outcome(msgs []Message, errs []error) batchOutcome {
 			o.acked = append(o.acked, m.ID)
 		}
 	}
-	retriable := 0
+	unreachable := 0
 	for i, m := range msgs {
 		if errs[i] == nil {
 			continue
 		}
 		perm := IsPermanent(errs[i])
-		if !perm {
-			retriable++
+		// A rejection is the broker's answer about this row (its topic does
+		// not exist): the row's own failure even if nothing got through.
+		rejected := !perm && IsRejected(errs[i])
+		if !perm && !rejected {
+			unreachable++
 		}
 		o.failed = append(o.failed, m.ID)
 		o.reasons = append(o.reasons, relayErrorText(errs[i]))
 		o.permanent = append(o.permanent, perm)
-		o.counted = append(o.counted, !perm && len(o.acked) > 0)
+		o.counted = append(o.counted, !perm && (rejected || len(o.acked) > 0))
 		if o.firstErr == "" {
 			o.firstErr = o.reasons[len(o.reasons)-1]
 		}
 	}
-	o.outage = len(o.acked) == 0 && retriable > 0
+	o.outage = len(o.acked) == 0 && unreachable > 0
+	o.noneAcked = len(o.acked) == 0 && len(o.failed) > 0
 	return o
 }
 
