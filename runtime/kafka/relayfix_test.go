@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
@@ -237,4 +238,156 @@ func TestRepeatedFreezeTakeoversKeepKeyOrder(t *testing.T) {
 	}
 	dups := rec.check(t, total)
 	t.Logf("lease %v: 5 freeze takeovers in %v; %d events over 20 keys, %d duplicate records", lease, took, total, dups)
+}
+
+// span is one Publish call of one relay.
+type span struct {
+	relay      string
+	start, end time.Time
+	n          int
+}
+
+// spanLog records every Publish call of several relays.
+type spanLog struct {
+	mu    sync.Mutex
+	spans []span
+}
+
+// spanPublisher records each Publish call's span in log under name.
+type spanPublisher struct {
+	name  string
+	inner idem.Publisher
+	log   *spanLog
+}
+
+func (p *spanPublisher) Publish(ctx context.Context, msgs []idem.Message) []error {
+	s := span{relay: p.name, start: time.Now(), n: len(msgs)}
+	errs := p.inner.Publish(ctx, msgs)
+	s.end = time.Now()
+	p.log.mu.Lock()
+	p.log.spans = append(p.log.spans, s)
+	p.log.mu.Unlock()
+	return errs
+}
+
+// overlaps returns a description of the first two Publish calls of different
+// relays that ran at the same time: two leaders producing at once.
+func (l *spanLog) overlaps() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i, a := range l.spans {
+		for _, b := range l.spans[i+1:] {
+			if a.relay != b.relay && a.start.Before(b.end) && b.start.Before(a.end) {
+				return fmt.Sprintf("%s published %d rows over [%v, %v] while %s published %d over [%v, %v]",
+					a.relay, a.n, a.start.Format("15:04:05.000"), a.end.Format("15:04:05.000"),
+					b.relay, b.n, b.start.Format("15:04:05.000"), b.end.Format("15:04:05.000"))
+			}
+		}
+	}
+	return ""
+}
+
+func (l *spanLog) lastStart(relay string) time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var t time.Time
+	for _, s := range l.spans {
+		if s.relay == relay && s.start.After(t) {
+			t = s.start
+		}
+	}
+	return t
+}
+
+// Two relays, each on its own proxied connection to PostgreSQL, both with a
+// working broker. The leader's database link is blackholed (connections stay
+// open, nothing flows), or its lease renewals are made to flap around their
+// timeout with latency toggled just below and above it. The standby takes
+// over; the old leader, once it notices, never publishes again while the
+// other leads: no two relays ever publish at the same time. An independent
+// consumer sees every event, each key's first deliveries in order.
+func TestLeaderDatabaseFaultNoSplitBrain(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		fault func(t *testing.T, p *faultproxy.Proxy)
+	}{
+		{"blackhole", func(t *testing.T, p *faultproxy.Proxy) {
+			p.Blackhole()
+			time.Sleep(3 * time.Second)
+			p.Restore()
+		}},
+		{"flapping-latency", func(t *testing.T, p *faultproxy.Proxy) {
+			// A renewal is 4 round trips (BEGIN, SET, UPDATE, COMMIT),
+			// each ≥ 2× the latency: 30ms → ~240ms, 45ms → ~360ms,
+			// around the 300ms lease-statement timeout.
+			for i := range 16 {
+				p.Latency(time.Duration(30+15*(i%2)) * time.Millisecond)
+				time.Sleep(250 * time.Millisecond)
+			}
+			p.Restore()
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			addrs := cluster(t, 4, "events")
+			rec := startRecorder(t, addrs, "events")
+			dbURL := pgtest.Schema(t)
+			pool := poolOn(t, dbURL)
+			if err := idem.Migrate(context.Background(), pool); err != nil {
+				t.Fatal(err)
+			}
+			spans := &spanLog{}
+			type relayUnderTest struct {
+				proxy *faultproxy.Proxy
+				led   chan time.Time
+				logs  *logSink
+			}
+			start := func(name string) *relayUnderTest {
+				r := &relayUnderTest{proxy: faultproxy.New(t, faultproxy.PostgresTarget(dbURL)), led: make(chan time.Time, 100), logs: newLogSink()}
+				relay, err := idem.NewRelay(idem.NewStore(poolOn(t, r.proxy.RewriteURL(dbURL))),
+					&spanPublisher{name: name, inner: publisher(t, addrs), log: spans},
+					idem.RelayConfig{Lease: time.Second, DBTimeout: 300 * time.Millisecond, PublishTimeout: time.Second,
+						PollInterval: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, BatchSize: 20,
+						Logger: slog.New(r.logs), OnLeader: func() { r.led <- time.Now() }})
+				if err != nil {
+					t.Fatal(err)
+				}
+				startRelay(t, relay)
+				return r
+			}
+			stopFeed := feedKeys(t, pool, 20)
+			a := start("A")
+			<-a.led
+			b := start("B")
+			waitUntil(t, "B to stand by", func() bool { return b.logs.has("standing by") })
+			waitUntil(t, "A to publish", func() bool { return statusCounts(t, pool)["PUBLISHED"] >= 40 })
+			faultAt := time.Now()
+			tc.fault(t, a.proxy)
+			total := stopFeed()
+			waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == int64(total) })
+			waitUntil(t, "the consumer to see every event", func() bool { return rec.distinct() == total })
+			dups := rec.check(t, total)
+			if o := spans.overlaps(); o != "" {
+				t.Fatalf("split brain: %s", o)
+			}
+			if c := statusCounts(t, pool); len(c) != 1 {
+				t.Fatalf("statuses %v, want only PUBLISHED", c)
+			}
+			var bLed []string
+			for len(b.led) > 0 {
+				bLed = append(bLed, (<-b.led).Sub(faultAt).Round(time.Millisecond).String())
+			}
+			var aLed int
+			for len(a.led) > 0 {
+				<-a.led
+				aLed++
+			}
+			t.Logf("%s: B became leader at %v after the fault began; A led again %d times; %d events, %d duplicates",
+				tc.name, bLed, aLed, total, dups)
+			if tc.name == "blackhole" && len(bLed) == 0 {
+				t.Fatal("the standby never took over from a leader whose database link was blackholed")
+			}
+		})
+	}
 }
