@@ -509,7 +509,7 @@ type batchOutcome struct {
 	permanent []bool
 	counted   []bool
 	outage    bool
-	noneAcked bool // every row failed (an outage, or rejections only)
+	noneAcked bool // no row acked, and some went back to PENDING (an outage, or rejections)
 	firstErr  string
 }
 
@@ -544,8 +544,20 @@ func outcome(msgs []Message, errs []error) batchOutcome {
 		}
 	}
 	o.outage = len(o.acked) == 0 && unreachable > 0
-	o.noneAcked = len(o.acked) == 0 && len(o.failed) > 0
+	// Rows that go back to PENDING with nothing acked would be claimed
+	// again at once: back off. (Rows parked as permanent are out of the
+	// way; the next claim gets others, so no backoff for those.)
+	o.noneAcked = len(o.acked) == 0 && len(o.failed) > countTrue(o.permanent)
 	return o
+}
+
+func countTrue(permanent []bool) (n int) {
+	for _, p := range permanent {
+		if p {
+			n++
+		}
+	}
+	return n
 }
 
 // recordUntilDone records a batch's outcome, retrying with backoff (each try

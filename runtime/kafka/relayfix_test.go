@@ -3,10 +3,12 @@ package kafka_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -390,4 +392,83 @@ func TestLeaderDatabaseFaultNoSplitBrain(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Requeueing a row that is not PARKED (pending, being published, published)
+// changes nothing, by id, by topic or all at once.
+func TestRequeueNotParkedIsNoOp(t *testing.T) {
+	t.Parallel()
+	pool := db(t)
+	enqueue(t, pool, "events", keyed{Key: "a", Seq: 0}, keyed{Key: "a", Seq: 1}, keyed{Key: "a", Seq: 2})
+	pgtest.Exec(t, pool, `UPDATE idem_outbox SET status = 'PUBLISHING', claim_token = 'tok', locked_until = now() + interval '1 hour', attempts = 2, last_error = 'x' WHERE id = (SELECT min(id) + 1 FROM idem_outbox)`)
+	pgtest.Exec(t, pool, `UPDATE idem_outbox SET status = 'PUBLISHED', published_at = now() WHERE id = (SELECT max(id) FROM idem_outbox)`)
+	snapshot := func() string {
+		var s string
+		if err := pool.QueryRow(context.Background(), `SELECT string_agg(concat_ws(',', id, status, attempts, claim_token, locked_until, last_error, published_at), ';' ORDER BY id) FROM idem_outbox`).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	before := snapshot()
+	store := idem.NewStore(pool)
+	ctx := context.Background()
+	ids := []int64{count(t, pool, `SELECT min(id) FROM idem_outbox`), count(t, pool, `SELECT min(id) + 1 FROM idem_outbox`), count(t, pool, `SELECT max(id) FROM idem_outbox`)}
+	for name, requeue := range map[string]func() (int64, error){
+		"ids":   func() (int64, error) { return store.RequeueParked(ctx, ids...) },
+		"none":  func() (int64, error) { return store.RequeueParked(ctx) },
+		"topic": func() (int64, error) { return store.RequeueParkedTopic(ctx, "events") },
+		"all":   func() (int64, error) { return store.RequeueAllParked(ctx) },
+	} {
+		if n, err := requeue(); err != nil || n != 0 {
+			t.Fatalf("requeue %s of rows that are not parked: %d, %v; want 0", name, n, err)
+		}
+	}
+	if after := snapshot(); after != before {
+		t.Fatalf("requeue changed rows that were not parked:\nbefore %s\nafter  %s", before, after)
+	}
+}
+
+// Requeueing parked rows over and over while the relay keeps parking and
+// publishing (enqueues continuing): no row is lost or left in
+// PUBLISHING, and once the fault is gone a last requeue publishes all.
+func TestRequeueParkedRacingRelay(t *testing.T) {
+	t.Parallel()
+	pool := db(t)
+	pub := &failKeyPublisher{fail: map[string]bool{"p": true}, errFor: func(idem.Message) error { return idem.Permanent(errors.New("record too large")) }}
+	startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 5 * time.Millisecond}))
+	store := idem.NewStore(pool)
+	ctx, cancel := context.WithCancel(context.Background())
+	var requeued atomic.Int64
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done }) // before the pool closes
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			n, err := store.RequeueAllParked(ctx)
+			if err != nil && ctx.Err() == nil {
+				t.Errorf("requeue: %v", err)
+				return
+			}
+			requeued.Add(n)
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	for i := range 100 {
+		enqueue(t, pool, "events", keyed{Key: "p", Seq: i}, keyed{Key: "ok", Seq: i})
+	}
+	waitUntil(t, "the good events to be published", func() bool {
+		return count(t, pool, `SELECT count(*) FROM idem_outbox WHERE record_key = 'ok' AND status = 'PUBLISHED'`) == 100
+	})
+	cancel()
+	<-done
+	pub.setFail("p", false)
+	waitUntil(t, "no row in flight", func() bool { return statusCounts(t, pool)["PUBLISHING"] == 0 })
+	if _, err := store.RequeueAllParked(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 200 })
+	if requeued.Load() == 0 {
+		t.Fatal("the race never happened: nothing was requeued while the relay ran")
+	}
+	t.Logf("%d requeues while the relay ran", requeued.Load())
 }
