@@ -462,11 +462,21 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
 	msgs := make([]Message, len(rows))
+	// Rows whose headers cannot be sent as meant are not published: they
+	// park (a permanent error) with last_error saying why, instead of going
+	// out with their headers silently dropped.
+	malformed := make([]error, len(rows))
+	var send []Message
 	for i, row := range rows {
-		headers := map[string]string{}
-		_ = json.Unmarshal(row.Headers, &headers)
+		headers, err := decodeHeaders(row.Headers)
+		if err != nil {
+			malformed[i] = Permanent(fmt.Errorf("outbox row %d: %w", row.ID, err))
+		}
 		headers[EventIDHeader] = row.EventID
 		msgs[i] = Message{ID: row.ID, EventID: row.EventID, Topic: row.Topic, Key: row.RecordKey, Value: row.Payload, Headers: headers}
+		if err == nil {
+			send = append(send, msgs[i])
+		}
 	}
 
 	// Check the lease again right before producing: a leader frozen between
@@ -478,17 +488,27 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 	if !t.valid() {
 		return batchResult{claimed: len(rows), stepDown: leaseCause(t)}
 	}
-	pctx, cancel := context.WithTimeout(t.ctx, r.cfg.PublishTimeout)
-	errs := r.pub.Publish(pctx, msgs)
-	cancel()
-	if len(errs) != len(msgs) {
+	var sent []error
+	if len(send) > 0 {
+		pctx, cancel := context.WithTimeout(t.ctx, r.cfg.PublishTimeout)
+		sent = r.pub.Publish(pctx, send)
+		cancel()
+	}
+	if len(sent) != len(send) {
 		// A Publisher that breaks its contract cannot tell us what was acked:
 		// count nothing as published (the rows go out again, and consumers
 		// dedupe) rather than guess.
-		err := fmt.Errorf("publisher returned %d results for %d messages", len(errs), len(msgs))
-		errs = make([]error, len(msgs))
-		for i := range errs {
-			errs[i] = err
+		err := fmt.Errorf("publisher returned %d results for %d messages", len(sent), len(send))
+		sent = make([]error, len(send))
+		for i := range sent {
+			sent[i] = err
+		}
+	}
+	errs := malformed
+	for i, j := 0, 0; i < len(errs); i++ {
+		if errs[i] == nil {
+			errs[i] = sent[j]
+			j++
 		}
 	}
 	crash.Point(t.ctx, "relay.after-publish")
@@ -499,6 +519,30 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 		res.stepDown = err
 	}
 	return res
+}
+
+// decodeHeaders returns an outbox row's headers (a JSON object) as record
+// headers: string values as they are, any other value as its JSON text.
+// Enqueue writes {}; other writers may put anything jsonb holds there, and
+// none of it may be dropped silently. The map is never nil.
+func decodeHeaders(raw []byte) (map[string]string, error) {
+	headers := map[string]string{}
+	if len(raw) == 0 {
+		return headers, nil
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &obj); err != nil {
+		return headers, fmt.Errorf("headers are not a JSON object: %w", err)
+	}
+	for k, v := range obj {
+		var s string
+		if json.Unmarshal(v, &s) == nil {
+			headers[k] = s
+		} else {
+			headers[k] = string(v)
+		}
+	}
+	return headers, nil
 }
 
 // batchOutcome is what one publish did, ready for the marks.

@@ -472,3 +472,40 @@ func TestRequeueParkedRacingRelay(t *testing.T) {
 	}
 	t.Logf("%d requeues while the relay ran", requeued.Load())
 }
+
+// Outbox rows whose key and payload hold bytes text columns refuse (NUL,
+// invalid UTF-8), and headers beyond Enqueue's (rows written by another
+// writer: unicode, non-string values), reach the broker byte for byte: no
+// header is silently dropped. Headers that are not a JSON object cannot be
+// sent as meant: that row is parked with a last_error saying so, and the
+// rest flow.
+func TestOutboxRawBytesAndHeaders(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "events")
+	pool := db(t)
+	pgtest.Exec(t, pool, `INSERT INTO idem_outbox (topic, record_key, payload, headers) VALUES
+		('events', '\x00ff00fe'::bytea, '\x00ff7b00'::bytea, '{"trace": "a\u00e9b", "n": 1, "obj": {"x": [true]}}'),
+		('events', NULL, '\x'::bytea, '{}'),
+		('events', 'bad'::bytea, 'v'::bytea, '["not", "an", "object"]'),
+		('events', 'after'::bytea, 'w'::bytea, '{}')`)
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond}))
+	recs := readTopic(t, addrs, "events", 3)
+	waitUntil(t, "the malformed row to be parked", func() bool { return statusCounts(t, pool)["PARKED"] == 1 })
+	if n := count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PARKED' AND record_key = 'bad' AND last_error LIKE '%headers%'`); n != 1 {
+		t.Fatalf("the row with malformed headers is not parked with a last_error about its headers: %v", statusCounts(t, pool))
+	}
+	r := recs[0]
+	if string(r.Key) != "\x00\xff\x00\xfe" || string(r.Value) != "\x00\xff{\x00" {
+		t.Fatalf("bytes changed on the way: key %q value %q", r.Key, r.Value)
+	}
+	got := map[string]string{}
+	for _, h := range r.Headers {
+		got[h.Key] = string(h.Value)
+	}
+	if got["trace"] != "aéb" || got["n"] != "1" || got["obj"] != `{"x": [true]}` || got[idem.EventIDHeader] == "" {
+		t.Fatalf("headers %q", got)
+	}
+	if recs[1].Key != nil || len(recs[1].Value) != 0 || string(recs[2].Key) != "after" {
+		t.Fatalf("second and third records: key %q value %q, key %q", recs[1].Key, recs[1].Value, recs[2].Key)
+	}
+}
