@@ -14,11 +14,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
 // Events for a topic that does not exist must not hold back the events of
@@ -507,5 +509,70 @@ func TestOutboxRawBytesAndHeaders(t *testing.T) {
 	}
 	if recs[1].Key != nil || len(recs[1].Value) != 0 || string(recs[2].Key) != "after" {
 		t.Fatalf("second and third records: key %q value %q, key %q", recs[1].Key, recs[1].Value, recs[2].Key)
+	}
+}
+
+// A shutdown while the broker, or the database, is blackholed (connections
+// open, nothing answers) returns within a bound set by the configuration
+// (PublishTimeout + Lease + DBTimeout, plus slack for a loaded machine), the
+// publisher's client included; nothing is lost: a relay started after the
+// network returns publishes every event, in per-key order.
+func TestShutdownDuringBlackhole(t *testing.T) {
+	t.Parallel()
+	for _, side := range []string{"broker", "database"} {
+		t.Run(side, func(t *testing.T) {
+			t.Parallel()
+			c, brokerProxies := faultproxy.KafkaCluster(t, 1, kfake.SeedTopics(2, "events"))
+			addrs := c.ListenAddrs()
+			rec := startRecorder(t, addrs, "events")
+			dbURL := pgtest.Schema(t)
+			pool := poolOn(t, dbURL)
+			if err := idem.Migrate(context.Background(), pool); err != nil {
+				t.Fatal(err)
+			}
+			dbProxy := faultproxy.New(t, faultproxy.PostgresTarget(dbURL))
+			cfg := idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: 2 * time.Second, DBTimeout: 500 * time.Millisecond,
+				PublishTimeout: time.Second, MaxBackoff: 300 * time.Millisecond}
+			pub, err := kafka.NewPublisher(addrs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			logs := newLogSink()
+			cfg.Logger = slog.New(logs)
+			relay := newRelay(t, poolOn(t, dbProxy.RewriteURL(dbURL)), pub, cfg)
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { _ = relay.Run(ctx); pub.Close(); close(done) }()
+			feed := newFeed(t, pool, 4)
+			feed.add(10)
+			waitUntil(t, "the first events to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 10 })
+			if side == "broker" {
+				faultproxy.Each(brokerProxies, (*faultproxy.Proxy).Blackhole)
+				feed.add(10)
+				waitUntil(t, "the relay to see the outage", func() bool { return logs.has("broker outage") })
+				feed.add(5) // a batch is likely in flight when the shutdown comes
+			} else {
+				feed.add(10)
+				dbProxy.Blackhole()
+				feed.add(5)
+				time.Sleep(cfg.DBTimeout) // statements are now stuck
+			}
+			stopAt := time.Now()
+			cancel()
+			bound := cfg.PublishTimeout + cfg.Lease + cfg.DBTimeout + 5*time.Second
+			select {
+			case <-done:
+			case <-time.After(bound):
+				t.Fatalf("Run and Publisher.Close did not return within %v of the shutdown", bound)
+			}
+			took := time.Since(stopAt)
+			faultproxy.Each(brokerProxies, (*faultproxy.Proxy).Restore)
+			dbProxy.Restore()
+			startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: 2 * time.Second}))
+			waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 25 })
+			waitUntil(t, "the consumer to see every event", func() bool { return rec.distinct() == 25 })
+			dups := rec.check(t, 25)
+			t.Logf("%s blackholed: shutdown returned after %v (bound %v); %d duplicates", side, took.Round(time.Millisecond), bound, dups)
+		})
 	}
 }
