@@ -576,3 +576,45 @@ func TestShutdownDuringBlackhole(t *testing.T) {
 		})
 	}
 }
+
+// The old leader's late mark comes while the new leader has the same rows
+// claimed and in flight (PUBLISHING, under its own token): the mark must be
+// refused by the token, not merely by the rows' status. (In
+// TestLeaseTakeoverRefusesLateMark the rows are back to PENDING when the
+// late mark comes, so a mark without the token condition passes it too.)
+func TestLateMarkRefusedWhileNewLeaderPublishes(t *testing.T) {
+	t.Parallel()
+	pool := db(t)
+	enqueue(t, pool, "events", keyed{Key: "a", Seq: 0}, keyed{Key: "a", Seq: 1})
+	old := &blockingPublisher{entered: make(chan []idem.Message, 1), release: make(chan error)}
+	oldLog := newLogSink()
+	startRelay(t, newRelay(t, pool, old, idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: time.Minute, Logger: slog.New(oldLog)}))
+	if msgs := <-old.entered; len(msgs) != 2 {
+		t.Fatalf("old relay claimed %d rows, want 2", len(msgs))
+	}
+	// The old leader's lease expires under it (as if it had been frozen).
+	if n := count(t, pool, `WITH u AS (UPDATE idem_relay_leader SET expires_at = now() - interval '1 second' RETURNING 1) SELECT count(*) FROM u`); n != 1 {
+		t.Fatalf("expired %d leases, want 1", n)
+	}
+	fresh := &blockingPublisher{entered: make(chan []idem.Message, 1), release: make(chan error, 1)}
+	startRelay(t, newRelay(t, pool, fresh, idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: time.Minute, PublishTimeout: time.Minute}))
+	t.Cleanup(func() { // let the new leader's publish end if the test fails
+		select {
+		case fresh.release <- nil:
+		default:
+		}
+	})
+	if msgs := <-fresh.entered; len(msgs) != 2 {
+		t.Fatalf("new leader claimed %d rows, want 2", len(msgs))
+	}
+	// Both have the rows in hand; the old one's publish "succeeds" first.
+	old.release <- nil
+	waitUntil(t, "the old relay's mark to be refused or accepted", func() bool {
+		return oldLog.has("could not be marked") || statusCounts(t, pool)["PUBLISHED"] != 0
+	})
+	if c := statusCounts(t, pool); c["PUBLISHING"] != 2 {
+		t.Fatalf("statuses %v: the old leader's late mark changed rows the new leader holds", c)
+	}
+	fresh.release <- nil
+	waitUntil(t, "the new leader's mark", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 2 })
+}
