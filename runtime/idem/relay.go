@@ -460,6 +460,9 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 	if len(rows) == 0 {
 		return batchResult{}
 	}
+	if h := relayhook.AfterClaim; h != nil {
+		h()
+	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
 	msgs := make([]Message, len(rows))
 	// Rows whose headers cannot be sent as meant are not published: they

@@ -618,3 +618,40 @@ func TestLateMarkRefusedWhileNewLeaderPublishes(t *testing.T) {
 	fresh.release <- nil
 	waitUntil(t, "the new leader's mark", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 2 })
 }
+
+// A leader frozen right after claiming a batch, before producing it (the
+// process stops itself there), is replaced when its lease expires; the new
+// leader publishes everything. Woken (SIGCONT), the old leader must find its
+// lease gone before producing: not one record of the topic comes from it.
+func TestLeaderFrozenBetweenClaimAndProduceNeverProduces(t *testing.T) {
+	t.Parallel()
+	const lease = time.Second
+	addrs := cluster(t, 2, "events")
+	rec := startRecorder(t, addrs, "events")
+	dbURL := pgtest.Schema(t)
+	pool := poolOn(t, dbURL)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	feed := newFeed(t, pool, 4)
+	feed.add(20)
+	a := startRelayProc(t, "A", dbURL, addrs, lease, "IDEM_TAG=A", "IDEM_STOP_AFTER_CLAIM=1")
+	a.waitFor(t, 0, 30*time.Second, "CLAIMED")
+	b := startRelayProc(t, "B", dbURL, addrs, lease, "IDEM_TAG=B")
+	b.waitFor(t, 0, 30*time.Second, "LEADING")
+	waitUntil(t, "B to publish everything", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 20 })
+	from := strings.Count(a.text(), "\n") + 1
+	a.signal(t, syscall.SIGCONT)
+	a.waitFor(t, from, 30*time.Second, "relay stepped down")
+	feed.add(4) // B still leads and publishes
+	waitUntil(t, "the new events", func() bool { return rec.distinct() == 24 })
+	time.Sleep(time.Second) // anything A produced on waking has landed by now
+	rec.check(t, 24)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, r := range rec.recs {
+		if header(r, "relay-proc") == "A" {
+			t.Fatalf("the frozen leader produced event %s after waking, its lease long gone", header(r, idem.EventIDHeader))
+		}
+	}
+}
