@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
@@ -654,4 +655,73 @@ func TestLeaderFrozenBetweenClaimAndProduceNeverProduces(t *testing.T) {
 			t.Fatalf("the frozen leader produced event %s after waking, its lease long gone", header(r, idem.EventIDHeader))
 		}
 	}
+}
+
+// The topic is deleted under a running relay and re-created a few seconds
+// later (new topic id), while events keep coming: nothing is parked (a
+// topic missing for a few seconds uses a few attempts at most), every event
+// enqueued after the deletion reaches the new topic, and per key the first
+// deliveries there are in order.
+func TestTopicDeletedAndRecreated(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "events")
+	pool := db(t)
+	admin, err := kgo.NewClient(kgo.SeedBrokers(addrs...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(admin.Close)
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond,
+		PublishTimeout: 2 * time.Second, MaxBackoff: 300 * time.Millisecond}))
+	feed := newFeed(t, pool, 4)
+	feed.add(8)
+	waitUntil(t, "the first events", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 8 })
+
+	ctx := context.Background()
+	del := kmsg.NewPtrDeleteTopicsRequest()
+	dt := kmsg.NewDeleteTopicsRequestTopic()
+	dt.Topic = kmsg.StringPtr("events")
+	del.Topics = append(del.Topics, dt)
+	del.TopicNames = []string{"events"}
+	if resp, err := del.RequestWith(ctx, admin); err != nil || resp.Topics[0].ErrorCode != 0 {
+		t.Fatalf("delete topic: %v %+v", err, resp)
+	}
+	feed.add(8)
+	time.Sleep(3 * time.Second)
+	create := kmsg.NewPtrCreateTopicsRequest()
+	ct := kmsg.NewCreateTopicsRequestTopic()
+	ct.Topic, ct.NumPartitions, ct.ReplicationFactor = "events", 2, 1
+	create.Topics = append(create.Topics, ct)
+	if resp, err := create.RequestWith(ctx, admin); err != nil || resp.Topics[0].ErrorCode != 0 {
+		t.Fatalf("create topic: %v %+v", err, resp)
+	}
+	feed.add(8)
+	waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 24 })
+	if c := statusCounts(t, pool); len(c) != 1 {
+		t.Fatalf("statuses %v, want only PUBLISHED", c)
+	}
+	recs := readTopic(t, addrs, "events", 16)
+	seen := map[string]bool{}
+	last := map[string]int{}
+	for _, r := range recs {
+		id := header(r, idem.EventIDHeader)
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		var ev keyed
+		if err := json.Unmarshal(r.Value, &ev); err != nil {
+			t.Fatal(err)
+		}
+		if prev, ok := last[ev.Key]; ok && ev.Seq != prev+1 {
+			t.Fatalf("key %s: seq %d first delivered after %d on the new topic", ev.Key, ev.Seq, prev)
+		}
+		last[ev.Key] = ev.Seq
+	}
+	for k, s := range last {
+		if s != 5 { // 6 events per key; the last two batches (16) all reached the new topic
+			t.Fatalf("key %s: last seq on the new topic %d, want 5", k, s)
+		}
+	}
+	t.Logf("max attempts charged: %d", count(t, pool, `SELECT max(attempts) FROM idem_outbox`))
 }
