@@ -53,7 +53,9 @@ type RelayConfig struct {
 	// of a batch gets through, never counts.
 	MaxAttempts int
 	// PollInterval is the fallback when no NOTIFY arrives (default 1s); a
-	// commit normally wakes the relay at once.
+	// commit normally wakes the relay at once. A standby also checks the
+	// lease at least this often, so it takes over within PollInterval of
+	// a leader's clean shutdown (which releases the lease).
 	PollInterval time.Duration
 	// MaxBackoff caps the jittered exponential backoff after a broker-wide
 	// outage or a database error (default 30s).
@@ -246,10 +248,13 @@ func (r *Relay) acquire(ctx context.Context, holder string, log *slog.Logger) (*
 				log.Info("relay standing by: another relay holds the lease", "expires_in", remaining)
 				standing = true
 			}
-			// Wake just after the lease would expire if it is not renewed:
-			// a standby takes over at most Lease (plus one round trip)
-			// after the leader's last renewal.
-			wait = min(remaining+10*time.Millisecond, r.cfg.Lease)
+			// Wake just after the lease would expire if it is not renewed
+			// (a standby takes over at most Lease, plus one round trip,
+			// after the leader's last renewal), and at least every
+			// PollInterval: a leader stopping cleanly releases the lease,
+			// and a standby asleep until the expiry would leave the outbox
+			// unpublished for up to a whole Lease.
+			wait = min(remaining+10*time.Millisecond, r.cfg.PollInterval, r.cfg.Lease)
 		}
 		if err := sleepCtx(ctx, wait); err != nil {
 			return nil, err
