@@ -58,7 +58,9 @@ type RelayConfig struct {
 	// a leader's clean shutdown (which releases the lease).
 	PollInterval time.Duration
 	// MaxBackoff caps the jittered exponential backoff after a broker-wide
-	// outage or a database error (default 30s).
+	// outage or a database error (default 30s). A leader that sees no
+	// record acked for two whole leases hands the lease over (another relay
+	// may reach the broker) and pauses a Lease before contending again.
 	MaxBackoff time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
@@ -176,7 +178,17 @@ func (r *Relay) Run(ctx context.Context) error {
 			return nil
 		}
 		log.Warn("relay stepped down; standing by", "err", stepDown)
-		if err := sleepCtx(ctx, bo.next(r.cfg.PollInterval, r.cfg.MaxBackoff)); err != nil {
+		wait := bo.next(r.cfg.PollInterval, r.cfg.MaxBackoff)
+		if errors.Is(stepDown, errBrokerUnreachable) {
+			// Hand the lease to a standby that may reach the broker (this
+			// relay may be the only one partitioned from it), and give it a
+			// whole Lease to take it before contending again. If no other
+			// relay takes it, this one leads again after that pause, during
+			// an outage in which nothing could be published anyway.
+			r.release(t, log)
+			wait = r.cfg.Lease
+		}
+		if err := sleepCtx(ctx, wait); err != nil {
 			return nil
 		}
 	}
@@ -217,6 +229,14 @@ func (t *term) end(cause error) {
 }
 
 var errLeaseLost = errors.New("relay lease lost")
+
+// errBrokerUnreachable ends a term after no record was acked for
+// outageHandover leases: another relay may reach the broker.
+var errBrokerUnreachable = errors.New("the broker has not acked a record")
+
+// outageHandover is how many leases of unbroken broker outage a leader
+// waits out before it hands the lease over.
+const outageHandover = 2
 
 // acquire stands by until this relay holds the lease, and returns its term
 // with the renewer (and the LISTEN connection) running. It returns an error
@@ -380,6 +400,7 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 	}
 
 	var outage backoff
+	var outageSince time.Time // start of the current unbroken outage
 	lastReap := time.Now()
 	for ctx.Err() == nil {
 		if !t.valid() {
@@ -403,13 +424,25 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 			wait = outage.next(100*time.Millisecond, r.cfg.MaxBackoff)
 			log.Warn("broker outage: no record of the batch was acked; backing off",
 				"rows", res.claimed, "first_error", res.firstErr, "retry_in", wait)
+			if outageSince.IsZero() {
+				outageSince = time.Now()
+			}
+			if d := time.Since(outageSince); d >= outageHandover*r.cfg.Lease {
+				// Maybe only this relay is cut off from the broker: a standby
+				// with a working path would publish while it backs off.
+				return fmt.Errorf("%w for %v (last error: %s); handing the lease over", errBrokerUnreachable, d.Round(time.Millisecond), res.firstErr)
+			}
 		case res.noneAcked:
 			// Every row was rejected (e.g. its topic does not exist): charged
 			// to the rows, which park after MaxAttempts, but not retried in a
 			// tight loop meanwhile.
 			wait = outage.next(100*time.Millisecond, r.cfg.MaxBackoff)
+			outageSince = time.Time{} // the broker answered
 		default:
 			outage.reset()
+			if res.claimed > 0 {
+				outageSince = time.Time{}
+			}
 		}
 		r.tel.RelayBackoff(ctx, wait)
 		if time.Since(lastReap) > r.cfg.Lease {

@@ -725,3 +725,52 @@ func TestTopicDeletedAndRecreated(t *testing.T) {
 	}
 	t.Logf("max attempts charged: %d", count(t, pool, `SELECT max(attempts) FROM idem_outbox`))
 }
+
+// unreachablePublisher fails every message as a relay cut off from the
+// broker sees it (nothing acked, a transport error), until healed.
+type unreachablePublisher struct {
+	inner  idem.Publisher
+	healed atomic.Bool
+}
+
+func (p *unreachablePublisher) Publish(ctx context.Context, msgs []idem.Message) []error {
+	if p.healed.Load() {
+		return p.inner.Publish(ctx, msgs)
+	}
+	errs := make([]error, len(msgs))
+	for i := range errs {
+		errs[i] = errors.New("dial tcp 10.0.0.1:9092: i/o timeout")
+	}
+	return errs
+}
+
+// The leader is partitioned from the broker while its database is fine and
+// a standby reaches the broker: after two leases of unbroken outage the
+// leader hands the lease over, the standby publishes everything, nothing
+// is charged or parked. (Before, the leader kept its lease for as long as
+// its own path to the broker was down, and nothing was published.)
+func TestLeaderCutOffFromBrokerHandsOver(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "events")
+	pool := db(t)
+	cfg := func(led chan<- string, name string) idem.RelayConfig {
+		return idem.RelayConfig{Lease: time.Second, PollInterval: 20 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
+			OnLeader: func() { led <- name }}
+	}
+	led := make(chan string, 10)
+	cut := &unreachablePublisher{inner: publisher(t, addrs)}
+	startRelay(t, newRelay(t, pool, cut, cfg(led, "cut off")))
+	if who := <-led; who != "cut off" {
+		t.Fatalf("%s led first", who)
+	}
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), cfg(led, "connected")))
+	feed := newFeed(t, pool, 4)
+	feed.add(20)
+	start := time.Now()
+	waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 20 })
+	t.Logf("published %v after the events were enqueued (lease 1s)", time.Since(start).Round(time.Millisecond))
+	if c := statusCounts(t, pool); len(c) != 1 || count(t, pool, `SELECT max(attempts) FROM idem_outbox`) != 0 {
+		t.Fatalf("statuses %v: want only PUBLISHED, nothing charged", c)
+	}
+	distinctInKeyOrder(t, addrs, "events", 20, 0)
+}
