@@ -200,7 +200,15 @@ func relay(ctx context.Context) error {
 			return err
 		}
 		defer pub.Close()
-		r := &idem.Relay{Pool: pool, Publisher: pub, OnLeader: func() { slog.Info("payments relay leading") }}
+		// Tests shorten the lease so a frozen leader is replaced quickly;
+		// production keeps the runtime's default.
+		var lease time.Duration
+		if d := os.Getenv("RELAY_LEASE"); d != "" {
+			if lease, err = time.ParseDuration(d); err != nil {
+				return fmt.Errorf("RELAY_LEASE: %w", err)
+			}
+		}
+		r := &idem.Relay{Pool: pool, Publisher: pub, Lease: lease, OnLeader: func() { slog.Info("payments relay leading") }}
 		return r.Run(ctx)
 	})
 }
