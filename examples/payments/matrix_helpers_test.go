@@ -121,6 +121,7 @@ type trialResult struct {
 // rowResult sums a row's trials.
 type rowResult struct {
 	row       string
+	ran       bool
 	trials    int
 	dup, lost int
 	disorder  int
