@@ -87,13 +87,19 @@ INSERT INTO idem_outbox (topic, record_key, payload, headers)
 VALUES (@topic, @record_key, @payload, @headers);
 
 -- name: ClaimOutboxBatch :many
--- Claims up to batch_size PENDING rows in id order for one relay, under its
--- claim token, for lease_seconds. PostgreSQL's UPDATE has no LIMIT, so the
--- rows are picked in a CTE; SKIP LOCKED lets concurrent relays claim disjoint
--- batches instead of waiting on each other.
-WITH c AS (
+-- Claims up to batch_size PENDING rows in id order for the leading relay,
+-- under its lease token, for lease_seconds; nothing unless that token holds
+-- the live lease. The lease row is read FOR SHARE, so a standby's takeover
+-- waits for this claim to commit and its reset then returns the rows to
+-- PENDING: a claim can never slip in behind a takeover. PostgreSQL's UPDATE
+-- has no LIMIT, so the rows are picked in a CTE.
+WITH l AS (
+    SELECT 1 FROM idem_relay_leader
+    WHERE name = @name AND token = @claim_token AND expires_at > now()
+    FOR SHARE
+), c AS (
     SELECT o.id FROM idem_outbox o
-    WHERE o.status = 'PENDING'
+    WHERE o.status = 'PENDING' AND EXISTS (SELECT 1 FROM l)
     ORDER BY o.id
     LIMIT @batch_size
     FOR UPDATE SKIP LOCKED
@@ -101,54 +107,104 @@ WITH c AS (
 UPDATE idem_outbox o
 SET status = 'PUBLISHING',
     claim_token = @claim_token,
-    locked_until = now() + make_interval(secs => @lease_seconds::float8),
-    attempts = o.attempts + 1
+    locked_until = now() + make_interval(secs => @lease_seconds::float8)
 FROM c
 WHERE o.id = c.id
 RETURNING o.id, o.event_id, o.topic, o.record_key, o.payload, o.headers, o.attempts;
 
 -- name: MarkOutboxPublished :execrows
--- Only the relay holding the claim token may mark its rows: one whose lease
--- was taken over is refused (0 rows).
+-- Only the relay whose token claimed the rows, and is still the lease's
+-- token, may mark them: one whose lease was taken over is refused (0 rows).
 UPDATE idem_outbox
 SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until = NULL, last_error = NULL
-WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBLISHING';
+WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBLISHING'
+  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
 
 -- name: MarkOutboxFailed :execrows
--- Returns failed rows to PENDING, or parks them (PARKED) when they are past
--- the attempt budget or the failure is permanent; conditional on the claim
--- token like MarkOutboxPublished.
+-- Returns failed rows to PENDING with their last_error. A counted failure
+-- (the row's own: others of its batch got through) adds an attempt and parks
+-- the row (PARKED) once it reaches max_attempts; a permanent one parks it at
+-- once; an uncounted one (a broker-wide outage) changes neither. Conditional
+-- on the claim token and the lease like MarkOutboxPublished.
 UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR o.attempts >= @max_attempts THEN 'PARKED' ELSE 'PENDING' END,
+SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
+    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
     last_error = f.error,
     claim_token = NULL,
     locked_until = NULL
-FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error, unnest(@permanent::bool[]) AS permanent) f
-WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING';
+FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
+             unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
+WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
+  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
 
 -- name: ReapOutbox :execrows
--- Returns PUBLISHING rows whose lease expired to PENDING.
+-- Returns PUBLISHING rows whose row lease expired to PENDING.
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING' AND locked_until < now();
 
 -- name: ResetOutboxPublishing :execrows
--- On taking over as the active relay: every PUBLISHING row belongs to a
--- predecessor that is gone; return them all to PENDING before publishing, so
--- they go out again in id order.
+-- On taking over as the leading relay: every PUBLISHING row belongs to a
+-- predecessor whose lease is over; return them all to PENDING before
+-- publishing, so they go out again in id order. Only while token holds the
+-- live lease, so a leader that froze right after taking over cannot reset
+-- its successor's rows.
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
-WHERE status = 'PUBLISHING';
+WHERE status = 'PUBLISHING'
+  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @token AND l.expires_at > now());
 
--- name: TryRelayLock :one
--- Session-level: the active relay holds it on a dedicated connection for as
--- long as it runs; it is released when that connection ends, however the
--- process dies. The key includes the outbox table's oid, so outboxes in
--- different schemas of one database elect their relays independently.
-SELECT pg_try_advisory_lock((7651::bigint << 32) | 'idem_outbox'::regclass::oid::bigint);
+-- name: SetRelayStatementTimeout :exec
+-- Bounds the lease queries on the server too (transaction-local), so a lease
+-- statement stuck behind a lock cannot outlive the lease it renews.
+SELECT set_config('statement_timeout', @timeout::text, true);
+
+-- name: AcquireRelayLease :one
+-- Takes the lease for token when nobody holds it, the holder's lease has
+-- expired (by PostgreSQL's clock), or holder itself held it (a relay that
+-- stepped down after a failed renewal starts a new term at once, with a new
+-- token that fences its old one). acquired is false when another holder has
+-- a live lease; remaining_ms then says when it expires.
+WITH taken AS (
+    INSERT INTO idem_relay_leader AS l (name, holder, token, expires_at)
+    VALUES (@name, @holder, @token, now() + make_interval(secs => @lease_seconds::float8))
+    ON CONFLICT (name) DO UPDATE
+    SET holder = EXCLUDED.holder, token = EXCLUDED.token, acquired_at = now(), expires_at = EXCLUDED.expires_at
+    WHERE l.expires_at <= now() OR l.holder = EXCLUDED.holder
+    RETURNING l.token
+)
+SELECT EXISTS (SELECT 1 FROM taken) AS acquired,
+       coalesce((SELECT greatest(extract(epoch FROM c.expires_at - now()) * 1000, 0)::bigint
+                 FROM idem_relay_leader c WHERE c.name = @name), 0)::bigint AS remaining_ms;
+
+-- name: RenewRelayLease :execrows
+-- Extends the lease held by token. 0 rows: another relay took it over.
+UPDATE idem_relay_leader
+SET expires_at = now() + make_interval(secs => @lease_seconds::float8)
+WHERE name = @name AND token = @token;
+
+-- name: ReleaseRelayLease :execrows
+-- A leader stopping cleanly hands over at once instead of after the lease.
+UPDATE idem_relay_leader
+SET expires_at = now()
+WHERE name = @name AND token = @token;
 
 -- name: ListenOutbox :exec
 LISTEN idem_outbox;
+
+-- name: NotifyOutbox :exec
+-- Wakes the relay (delivered at commit), e.g. after parked rows are requeued.
+SELECT pg_notify('idem_outbox', '');
+
+-- name: RequeueParkedOutbox :execrows
+-- Returns PARKED rows to PENDING with a fresh attempt budget: every parked
+-- row (all), those with the given ids, or those of the given topics. They go
+-- out through the ordinary relay path (claim, publish, mark under the lease).
+-- last_error is kept until the row is published.
+UPDATE idem_outbox
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+WHERE status = 'PARKED'
+  AND (@all_rows::bool OR id = ANY(@ids::bigint[]) OR topic = ANY(@topics::text[]));
 
 -- name: DeletePublishedOutbox :execrows
 DELETE FROM idem_outbox

@@ -57,8 +57,10 @@ CREATE TABLE IF NOT EXISTS idem_dead_letters (
 );
 
 -- idem_outbox holds events written in business transactions until the relay
--- has published them: PENDING -> PUBLISHING (claimed by one relay, under a
--- claim token and a lease) -> PUBLISHED, or PARKED after too many failures.
+-- has published them: PENDING -> PUBLISHING (claimed by the leading relay,
+-- under its lease token) -> PUBLISHED, or PARKED after a permanent error or
+-- too many failures while other events got through. attempts counts only
+-- failures charged to the row itself, never a broker-wide outage.
 CREATE TABLE IF NOT EXISTS idem_outbox (
     id           bigserial   PRIMARY KEY,
     event_id     text        NOT NULL UNIQUE DEFAULT gen_random_uuid()::text,
@@ -79,6 +81,22 @@ CREATE TABLE IF NOT EXISTS idem_outbox (
 CREATE INDEX IF NOT EXISTS idem_outbox_pending ON idem_outbox (id) WHERE status = 'PENDING';
 CREATE INDEX IF NOT EXISTS idem_outbox_publishing ON idem_outbox (locked_until) WHERE status = 'PUBLISHING';
 CREATE INDEX IF NOT EXISTS idem_outbox_published ON idem_outbox (published_at) WHERE status = 'PUBLISHED';
+CREATE INDEX IF NOT EXISTS idem_outbox_parked ON idem_outbox (topic, id) WHERE status = 'PARKED';
+
+-- idem_relay_leader is the relay's leadership lease: one row per outbox. The
+-- leader renews expires_at (PostgreSQL's clock, never a replica's) every
+-- third of the lease; a standby takes the row over once it has expired, with
+-- a new token. Outbox rows are claimed and marked only under the current
+-- token, so a leader that froze and woke up after losing the lease can
+-- neither claim nor mark. A lease, not a session lock: a leader that is stuck
+-- but still connected loses it all the same.
+CREATE TABLE IF NOT EXISTS idem_relay_leader (
+    name        text        PRIMARY KEY,
+    holder      text        NOT NULL,
+    token       text        NOT NULL,
+    acquired_at timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL
+);
 
 -- Wake the relay when an enqueueing transaction commits: NOTIFY is delivered
 -- at commit, and never for a transaction that rolls back.

@@ -219,7 +219,10 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 		return nil, err
 	}
 	defer pub.Close()
-	relay := &idem.Relay{Pool: pool, Publisher: pub}
+	relay, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{})
+	if err != nil {
+		return nil, err
+	}
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = consumer.Run(ctx) }()
 	go func() { defer wg.Done(); _ = relay.Run(ctx) }()

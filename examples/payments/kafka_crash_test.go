@@ -45,7 +45,7 @@ func newKafkaEnv(t *testing.T) *kafkaEnv {
 	brokers := cluster.ListenAddrs()
 	prov := providerFor(t, url)
 	return &kafkaEnv{brokers: brokers, pool: pool, provider: prov, env: []string{
-		"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "KAFKA_SESSION_TIMEOUT=1s",
+		"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "KAFKA_SESSION_TIMEOUT=1s", "RELAY_LEASE=2s",
 		"PROVIDER_URL=" + prov.url,
 	}}
 }

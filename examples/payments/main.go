@@ -200,15 +200,18 @@ func relay(ctx context.Context) error {
 			return err
 		}
 		defer pub.Close()
-		// Tests shorten the lease so a frozen leader is replaced quickly;
-		// production keeps the runtime's default.
-		var lease time.Duration
+		cfg := idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }}
+		// Tests shorten the lease so a standby (or a restarted relay) takes
+		// over a killed leader quickly; production keeps the default.
 		if d := os.Getenv("RELAY_LEASE"); d != "" {
-			if lease, err = time.ParseDuration(d); err != nil {
+			if cfg.Lease, err = time.ParseDuration(d); err != nil {
 				return fmt.Errorf("RELAY_LEASE: %w", err)
 			}
 		}
-		r := &idem.Relay{Pool: pool, Publisher: pub, Lease: lease, OnLeader: func() { slog.Info("payments relay leading") }}
+		r, err := idem.NewRelay(idem.NewStore(pool), pub, cfg)
+		if err != nil {
+			return err
+		}
 		return r.Run(ctx)
 	})
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemgen/idemgen/runtime/idem"
 	idemdb "github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/relayhook"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -184,7 +185,7 @@ func BenchmarkRelaySideBySide(b *testing.B) {
 	for round := 0; round < b.N; round++ {
 		enqueue(b, pool, "events", evs...)
 		start := time.Now()
-		stop := startRelay(b, &idem.Relay{Pool: pool, Publisher: pub, PollInterval: 20 * time.Millisecond})
+		stop := startRelay(b, newRelay(b, pool, pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond}))
 		waitUntil(b, "batched relay", func() bool { return statusCounts(b, pool)["PENDING"] == 0 && statusCounts(b, pool)["PUBLISHING"] == 0 })
 		batched += time.Since(start)
 		stop()
@@ -213,8 +214,18 @@ func seedRelay(b *testing.B, pool *pgxpool.Pool, cl *kgo.Client) {
 	ctx := context.Background()
 	q := idemdb.New(pool)
 	token := pgtype.Text{String: "seed", Valid: true}
+	// Claims need the lease: take it under the token "seed" (the Relay run
+	// before this one released its lease when it stopped).
+	if l, err := q.AcquireRelayLease(ctx, idemdb.AcquireRelayLeaseParams{Name: "idem_outbox", Holder: "seed", Token: token.String, LeaseSeconds: 3600}); err != nil || !l.Acquired {
+		b.Fatalf("seed relay: lease not acquired (%v)", err)
+	}
+	defer func() {
+		if _, err := q.ReleaseRelayLease(ctx, idemdb.ReleaseRelayLeaseParams{Name: "idem_outbox", Token: token.String}); err != nil {
+			b.Fatal(err)
+		}
+	}()
 	for {
-		rows, err := q.ClaimOutboxBatch(ctx, idemdb.ClaimOutboxBatchParams{BatchSize: 50, ClaimToken: token, LeaseSeconds: 60})
+		rows, err := q.ClaimOutboxBatch(ctx, idemdb.ClaimOutboxBatchParams{Name: "idem_outbox", BatchSize: 50, ClaimToken: token, LeaseSeconds: 60})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -228,7 +239,7 @@ func seedRelay(b *testing.B, pool *pgxpool.Pool, cl *kgo.Client) {
 			if err := cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
 				b.Fatal(err)
 			}
-			if _, err := q.MarkOutboxPublished(ctx, idemdb.MarkOutboxPublishedParams{Ids: []int64{row.ID}, ClaimToken: token}); err != nil {
+			if _, err := q.MarkOutboxPublished(ctx, idemdb.MarkOutboxPublishedParams{Name: "idem_outbox", Ids: []int64{row.ID}, ClaimToken: token}); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -261,9 +272,18 @@ func (p *timingPublisher) Publish(ctx context.Context, msgs []idem.Message) []er
 func relayLatency(b *testing.B, addrs []string, pollOnly bool) [2]time.Duration {
 	pool := db(b)
 	tp := &timingPublisher{inner: publisher(b, addrs), acked: map[int]time.Time{}}
-	stop := startRelay(b, &idem.Relay{Pool: pool, Publisher: tp, DisableNotify: pollOnly, PollInterval: 250 * time.Millisecond})
+	led := make(chan struct{})
+	relay := newRelay(b, pool, tp, idem.RelayConfig{PollInterval: 250 * time.Millisecond, OnLeader: func() { close(led) }})
+	if pollOnly {
+		relayhook.DisableNotify(relay)
+	}
+	stop := startRelay(b, relay)
 	defer stop()
-	waitUntil(b, "relay to lead", func() bool { time.Sleep(300 * time.Millisecond); return true })
+	select {
+	case <-led: // leading: the takeover reset is done, the first claim comes next
+	case <-time.After(60 * time.Second):
+		b.Fatal("the relay did not become the leader in 60s")
+	}
 	const n = 200
 	committed := make([]time.Time, n)
 	for i := 0; i < n; i++ {

@@ -3,9 +3,12 @@ package kafka_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -49,6 +52,16 @@ func publisher(t testing.TB, addrs []string) *kafka.Publisher {
 	}
 	t.Cleanup(p.Close)
 	return p
+}
+
+// newRelay is idem.NewRelay for tests.
+func newRelay(t testing.TB, pool *pgxpool.Pool, pub idem.Publisher, cfg idem.RelayConfig) *idem.Relay {
+	t.Helper()
+	r, err := idem.NewRelay(idem.NewStore(pool), pub, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
 }
 
 // startRelay runs r until the test ends.
@@ -120,7 +133,7 @@ func TestEnqueueRolledBackNeverPublished(t *testing.T) {
 		t.Fatal(err)
 	}
 	enqueue(t, pool, "events", keyed{Key: "k", Seq: 1})
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), PollInterval: 50 * time.Millisecond})
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 50 * time.Millisecond}))
 	recs := readTopic(t, addrs, "events", 1)
 	time.Sleep(300 * time.Millisecond)
 	recs = append(recs, readTopic(t, addrs, "events", 1)[1:]...)
@@ -160,8 +173,8 @@ func TestThreeRelaysPublishAllInKeyOrder(t *testing.T) {
 	leaders.Add(1)
 	var once sync.Once
 	for i := 0; i < 3; i++ {
-		startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), BatchSize: 500,
-			PollInterval: 50 * time.Millisecond, OnLeader: func() { once.Do(leaders.Done) }})
+		startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{BatchSize: 500,
+			PollInterval: 50 * time.Millisecond, OnLeader: func() { once.Do(leaders.Done) }}))
 	}
 	recs := readTopic(t, addrs, "events", events)
 	waitUntil(t, "all rows PUBLISHED", func() bool { return statusCounts(t, pool)["PUBLISHED"] == events })
@@ -215,43 +228,97 @@ func (p *blockingPublisher) Publish(ctx context.Context, msgs []idem.Message) []
 	return errs
 }
 
-// A relay loses leadership (its connection dies) while it is publishing; the
-// new leader takes the rows over. The old relay's late "published" mark is
-// refused: the rows stay with the new leader's outcome.
+// The leader loses its lease while it is publishing (as a leader frozen past
+// its lease would: here the lease row is expired under it). A standby takes
+// over, resets the rows and publishes them; its publish fails, so they go
+// back to PENDING with its error. The old leader's publish then "succeeds"
+// and its late "published" mark is refused: the rows keep the new leader's
+// outcome.
 func TestLeaseTakeoverRefusesLateMark(t *testing.T) {
 	t.Parallel()
 	pool := db(t)
 	enqueue(t, pool, "events", keyed{Key: "a", Seq: 0}, keyed{Key: "a", Seq: 1})
 
+	// A one-minute lease: the old leader renews only every 20s, so nothing
+	// but the takeover below changes its lease during the test.
 	old := &blockingPublisher{entered: make(chan []idem.Message, 1), release: make(chan error)}
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: old, PollInterval: 20 * time.Millisecond, Lease: 5 * time.Second})
+	oldLog := newLogSink()
+	startRelay(t, newRelay(t, pool, old, idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: time.Minute, Logger: slog.New(oldLog)}))
 	if msgs := <-old.entered; len(msgs) != 2 {
 		t.Fatalf("old relay claimed %d rows, want 2", len(msgs))
 	}
-	// Cut the old leader's connection, as a network partition would.
-	if n := count(t, pool, `SELECT count(pg_terminate_backend(pid)) FROM pg_locks
-		WHERE locktype = 'advisory' AND granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-		  AND ((classid::bigint << 32) | objid::bigint) = ((7651::bigint << 32) | 'idem_outbox'::regclass::oid::bigint)`); n != 1 {
-		t.Fatalf("terminated %d leader connections, want 1", n)
+	if n := count(t, pool, `WITH u AS (UPDATE idem_relay_leader SET expires_at = now() - interval '1 second' RETURNING 1) SELECT count(*) FROM u`); n != 1 {
+		t.Fatalf("expired %d leases, want 1", n)
 	}
-	// The new leader resets the rows and publishes them; its publish fails,
-	// so they go back to PENDING.
 	fresh := &blockingPublisher{entered: make(chan []idem.Message, 1), release: make(chan error, 1)}
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: fresh, PollInterval: 20 * time.Millisecond, MaxAttempts: 100, Lease: 2 * time.Second})
+	startRelay(t, newRelay(t, pool, fresh, idem.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 100, Lease: 2 * time.Second}))
 	if msgs := <-fresh.entered; len(msgs) != 2 {
 		t.Fatalf("new leader claimed %d rows, want 2", len(msgs))
 	}
 	fresh.release <- fmt.Errorf("broker down")
-	waitUntil(t, "the new leader's failure to be recorded", func() bool { return statusCounts(t, pool)["PENDING"] == 2 || statusCounts(t, pool)["PUBLISHING"] == 2 })
+	waitUntil(t, "the new leader's failure to be recorded", func() bool {
+		return count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PENDING' AND last_error = 'broker down'`) == 2
+	})
 	// Now the old relay's publish "succeeds" and it tries to mark its rows.
 	old.release <- nil
-	time.Sleep(200 * time.Millisecond)
+	waitUntil(t, "the old relay's mark to be refused", func() bool {
+		return oldLog.has("stepped down", "relay lease lost", "could not be marked") ||
+			count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PUBLISHED'`) != 0
+	})
 	if c := statusCounts(t, pool); c["PUBLISHED"] != 0 {
 		t.Fatalf("statuses %v: the old relay's late mark was accepted", c)
 	}
 	if n := count(t, pool, `SELECT count(*) FROM idem_outbox WHERE last_error = 'broker down'`); n != 2 {
 		t.Fatalf("%d rows carry the new leader's outcome, want 2", n)
 	}
+}
+
+// logSink is a slog handler that keeps every record's message and
+// attributes as text, so a test can wait for what a relay said.
+type logSink struct {
+	mu    *sync.Mutex
+	lines *[]string
+	attrs string
+}
+
+func newLogSink() *logSink { return &logSink{mu: new(sync.Mutex), lines: new([]string)} }
+
+func (l *logSink) Enabled(context.Context, slog.Level) bool { return true }
+
+func (l *logSink) Handle(_ context.Context, r slog.Record) error {
+	var b strings.Builder
+	b.WriteString(r.Message + l.attrs)
+	r.Attrs(func(a slog.Attr) bool { b.WriteString(" " + a.String()); return true })
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	*l.lines = append(*l.lines, b.String())
+	return nil
+}
+
+func (l *logSink) WithAttrs(as []slog.Attr) slog.Handler {
+	c := *l
+	for _, a := range as {
+		c.attrs += " " + a.String()
+	}
+	return &c
+}
+
+func (l *logSink) WithGroup(string) slog.Handler { return l }
+
+// has reports whether some record contains every one of parts.
+func (l *logSink) has(parts ...string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+next:
+	for _, line := range *l.lines {
+		for _, p := range parts {
+			if !strings.Contains(line, p) {
+				continue next
+			}
+		}
+		return true
+	}
+	return false
 }
 
 // An event too large for the broker is parked at once; the rest keep
@@ -265,7 +332,7 @@ func TestOversizedEventParked(t *testing.T) {
 		keyed{Key: "big", Seq: 0, Pad: strings.Repeat("x", 2<<20)},
 		keyed{Key: "a", Seq: 1},
 	)
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), PollInterval: 20 * time.Millisecond})
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond}))
 	recs := readTopic(t, addrs, "events", 2)
 	waitUntil(t, "the big event to be parked", func() bool { return statusCounts(t, pool)["PARKED"] == 1 })
 	if c := statusCounts(t, pool); c["PUBLISHED"] != 2 {
@@ -279,20 +346,171 @@ func TestOversizedEventParked(t *testing.T) {
 	}
 }
 
-// A publish that keeps failing is retried up to the attempt budget, then
-// parked; it never blocks other rows.
-func TestFailingEventParkedAfterBudget(t *testing.T) {
+// failKeyPublisher fails every message whose key is in fail (with the error
+// returned by errFor) and acks the others; it counts its calls.
+type failKeyPublisher struct {
+	mu     sync.Mutex
+	fail   map[string]bool
+	errFor func(idem.Message) error
+	calls  int
+}
+
+func (p *failKeyPublisher) Publish(_ context.Context, msgs []idem.Message) []error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.calls++
+	errs := make([]error, len(msgs))
+	for i, m := range msgs {
+		if p.fail[string(m.Key)] {
+			errs[i] = p.errFor(m)
+		}
+	}
+	return errs
+}
+
+func (p *failKeyPublisher) callCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.calls
+}
+
+func (p *failKeyPublisher) setFail(key string, fail bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.fail[key] = fail
+}
+
+// A batch in which nothing gets through (the broker is down, as far as the
+// relay can tell) is no row's fault: it backs off, stores last_error, and
+// charges no attempt, however long it lasts. A row that fails while others
+// of its batch are acked uses its budget and is parked after MaxAttempts,
+// while the rest keep flowing.
+func TestFailingEventParkedOnlyWhenOthersGetThrough(t *testing.T) {
 	t.Parallel()
 	pool := db(t)
-	enqueue(t, pool, "events", keyed{Key: "a", Seq: 0})
-	failing := &blockingPublisher{entered: make(chan []idem.Message, 10), release: make(chan error, 10)}
-	for i := 0; i < 3; i++ {
-		failing.release <- fmt.Errorf("attempt %d failed", i+1)
+	enqueue(t, pool, "events", keyed{Key: "bad", Seq: 0})
+	pub := &failKeyPublisher{fail: map[string]bool{"bad": true}, errFor: func(idem.Message) error { return errors.New("broker unreachable") }}
+	startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 3, MaxBackoff: 100 * time.Millisecond}))
+	waitUntil(t, "six failed publishes of the lone row", func() bool { return pub.callCount() >= 6 || statusCounts(t, pool)["PARKED"] > 0 })
+	if n := count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PARKED' OR attempts <> 0 OR coalesce(last_error, '') <> 'broker unreachable'`); n != 0 {
+		t.Fatalf("an outage was charged to the row: %v, attempts %d", statusCounts(t, pool), count(t, pool, `SELECT attempts FROM idem_outbox`))
 	}
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: failing, PollInterval: 20 * time.Millisecond, MaxAttempts: 3})
-	waitUntil(t, "the row to be parked", func() bool { return statusCounts(t, pool)["PARKED"] == 1 })
-	if n := count(t, pool, `SELECT attempts FROM idem_outbox`); n != 3 {
+	// Now others get through in the same batches: each such failure counts.
+	// (A good event claimed alone, while the bad one is in flight, makes a
+	// round that counts nothing, hence more rounds than MaxAttempts.)
+	goods := 0
+	for ; statusCounts(t, pool)["PARKED"] == 0; goods++ {
+		if goods == 20 {
+			t.Fatalf("not parked after 20 good events: attempts %d", count(t, pool, `SELECT attempts FROM idem_outbox WHERE record_key = 'bad'`))
+		}
+		enqueue(t, pool, "events", keyed{Key: "good", Seq: goods})
+		waitUntil(t, "the good event to be published", func() bool {
+			return count(t, pool, `SELECT count(*) FROM idem_outbox WHERE record_key = 'good' AND status = 'PUBLISHED'`) == int64(goods+1)
+		})
+	}
+	if goods < 3 {
+		t.Fatalf("parked after %d batches with others acked, want at least 3", goods)
+	}
+	if n := count(t, pool, `SELECT attempts FROM idem_outbox WHERE record_key = 'bad' AND status = 'PARKED' AND last_error = 'broker unreachable'`); n != 3 {
 		t.Fatalf("parked after %d attempts, want 3", n)
+	}
+}
+
+// Error text that PostgreSQL's text type refuses (a NUL byte, invalid
+// UTF-8) and very long text are stored sanitized and bounded: recording a
+// failure never fails on the failure's own bytes.
+func TestPublishErrorTextStoredSanitized(t *testing.T) {
+	t.Parallel()
+	pool := db(t)
+	enqueue(t, pool, "events", keyed{Key: "bad", Seq: 0})
+	pub := &failKeyPublisher{fail: map[string]bool{"bad": true}, errFor: func(idem.Message) error {
+		return errors.New("broker said \x00 then \xff\xfe " + strings.Repeat("é", 5000))
+	}}
+	startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}))
+	waitUntil(t, "last_error to be stored", func() bool {
+		return count(t, pool, `SELECT count(*) FROM idem_outbox WHERE last_error LIKE 'broker said \\0 then %'`) == 1
+	})
+	if n := count(t, pool, `SELECT octet_length(last_error) FROM idem_outbox`); n > 2100 || n < 1000 {
+		t.Fatalf("last_error is %d bytes, want it bounded near 2000", n)
+	}
+}
+
+// Parked rows can be requeued by id, by topic or all at once; they go out
+// through the ordinary relay path and end PUBLISHED.
+func TestRequeueParked(t *testing.T) {
+	t.Parallel()
+	pool := db(t)
+	enqueue(t, pool, "events", keyed{Key: "p", Seq: 0}, keyed{Key: "p", Seq: 1}, keyed{Key: "ok", Seq: 0})
+	enqueue(t, pool, "other", keyed{Key: "p", Seq: 2})
+	pub := &failKeyPublisher{fail: map[string]bool{"p": true}, errFor: func(idem.Message) error { return idem.Permanent(errors.New("record too large")) }}
+	startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond}))
+	waitUntil(t, "three rows parked", func() bool { return statusCounts(t, pool)["PARKED"] == 3 })
+	pub.setFail("p", false)
+
+	store := idem.NewStore(pool)
+	ctx := context.Background()
+	first := count(t, pool, `SELECT min(id) FROM idem_outbox WHERE status = 'PARKED'`)
+	if n, err := store.RequeueParked(ctx, first, 999999); err != nil || n != 1 {
+		t.Fatalf("requeue by id: %d, %v; want 1", n, err)
+	}
+	waitUntil(t, "the requeued row to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 2 })
+	if n, err := store.RequeueParkedTopic(ctx, "other"); err != nil || n != 1 {
+		t.Fatalf("requeue topic: %d, %v; want 1", n, err)
+	}
+	waitUntil(t, "the topic's row to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 3 })
+	if n, err := store.RequeueAllParked(ctx); err != nil || n != 1 {
+		t.Fatalf("requeue all: %d, %v; want 1", n, err)
+	}
+	waitUntil(t, "every row to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 4 })
+	if n, err := store.RequeueAllParked(ctx); err != nil || n != 0 {
+		t.Fatalf("requeue with nothing parked: %d, %v", n, err)
+	}
+}
+
+// One Relay value run twice at once (a caller's mistake, or two goroutines
+// sharing it): no data race, one leads, every event is published once.
+func TestRelayRunTwiceAtOnce(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "events")
+	pool := db(t)
+	var leaders atomic.Int32
+	r := newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond, OnLeader: func() { leaders.Add(1) }})
+	startRelay(t, r)
+	startRelay(t, r)
+	evs := make([]keyed, 50)
+	for i := range evs {
+		evs[i] = keyed{Key: "k", Seq: i}
+	}
+	enqueue(t, pool, "events", evs...)
+	recs := readTopic(t, addrs, "events", 50)
+	waitUntil(t, "all rows PUBLISHED", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 50 })
+	if len(recs) != 50 || leaders.Load() != 1 {
+		t.Fatalf("%d records, %d leaders; want 50 and 1", len(recs), leaders.Load())
+	}
+}
+
+// NewRelay refuses what cannot work, and fills the defaults.
+func TestNewRelayValidates(t *testing.T) {
+	t.Parallel()
+	store := idem.NewStore(db(t))
+	pub := &failKeyPublisher{}
+	for _, cfg := range []idem.RelayConfig{{Lease: -1}, {BatchSize: -1}, {Lease: time.Millisecond}, {Lease: time.Second, DBTimeout: 2 * time.Second}} {
+		if _, err := idem.NewRelay(store, pub, cfg); err == nil {
+			t.Errorf("NewRelay(%+v) accepted", cfg)
+		}
+	}
+	if _, err := idem.NewRelay(nil, pub, idem.RelayConfig{}); err == nil {
+		t.Error("NewRelay accepted a nil store")
+	}
+	if _, err := idem.NewRelay(store, nil, idem.RelayConfig{}); err == nil {
+		t.Error("NewRelay accepted a nil publisher")
+	}
+	r, err := idem.NewRelay(store, pub, idem.RelayConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := r.Config(); c.Lease != 15*time.Second || c.BatchSize != 500 || c.MaxAttempts != 10 || c.DBTimeout != 5*time.Second {
+		t.Fatalf("defaults %+v", c)
 	}
 }
 
@@ -336,8 +554,8 @@ func TestReaperReturnsExpiredLease(t *testing.T) {
 	addrs := cluster(t, 1, "events")
 	pool := db(t)
 	led := make(chan struct{})
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), PollInterval: 20 * time.Millisecond,
-		Lease: 200 * time.Millisecond, OnLeader: func() { close(led) }})
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond,
+		Lease: time.Second, OnLeader: func() { close(led) }}))
 	<-led // the takeover reset has run; only the reaper can help now
 	if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, record_key, payload, status, claim_token, locked_until, attempts)
 		VALUES ('events', 'k', '{"key":"k","seq":0}', 'PUBLISHING', 'ghost', now() - interval '1 second', 1)`); err != nil {
@@ -357,7 +575,7 @@ func TestRelayShutdownFinishesBatch(t *testing.T) {
 	pool := db(t)
 	enqueue(t, pool, "events", keyed{Key: "a", Seq: 0}, keyed{Key: "a", Seq: 1})
 	pub := &blockingPublisher{entered: make(chan []idem.Message, 1), release: make(chan error, 1)}
-	stop := startRelay(t, &idem.Relay{Pool: pool, Publisher: pub, PollInterval: 20 * time.Millisecond})
+	stop := startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 20 * time.Millisecond}))
 	<-pub.entered
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
@@ -376,8 +594,8 @@ func TestNotifyWakesRelay(t *testing.T) {
 	addrs := cluster(t, 1, "events")
 	pool := db(t)
 	led := make(chan struct{})
-	startRelay(t, &idem.Relay{Pool: pool, Publisher: publisher(t, addrs), PollInterval: time.Minute,
-		OnLeader: func() { close(led) }})
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: time.Minute,
+		OnLeader: func() { close(led) }}))
 	<-led
 	time.Sleep(100 * time.Millisecond) // the relay's first (empty) claim is done; it now waits
 	start := time.Now()
@@ -386,4 +604,32 @@ func TestNotifyWakesRelay(t *testing.T) {
 	if took := time.Since(start); took > 10*time.Second {
 		t.Fatalf("published after %v: the commit did not wake the relay", took)
 	}
+}
+
+// A leader that stops cleanly releases its lease: a standby takes over at
+// once, long before the (one-minute) lease would have expired.
+func TestCleanShutdownHandsOverAtOnce(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "events")
+	pool := db(t)
+	led := make(chan string, 2)
+	cfg := func(name string) idem.RelayConfig {
+		return idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: time.Minute, OnLeader: func() { led <- name }}
+	}
+	stopFirst := startRelay(t, newRelay(t, pool, publisher(t, addrs), cfg("first")))
+	if who := <-led; who != "first" {
+		t.Fatalf("%s led first", who)
+	}
+	startRelay(t, newRelay(t, pool, publisher(t, addrs), cfg("second")))
+	stopFirst()
+	select {
+	case who := <-led:
+		if who != "second" {
+			t.Fatalf("%s led after the first stopped", who)
+		}
+	case <-time.After(30 * time.Second): // half the lease
+		t.Fatal("the standby did not take over within half the lease: the lease was not released")
+	}
+	enqueue(t, pool, "events", keyed{Key: "k", Seq: 0})
+	readTopic(t, addrs, "events", 1)
 }

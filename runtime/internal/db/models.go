@@ -58,3 +58,11 @@ type IdemProcessedEvent struct {
 	Koffset     int64
 	ProcessedAt pgtype.Timestamptz
 }
+
+type IdemRelayLeader struct {
+	Name       string
+	Holder     string
+	Token      string
+	AcquiredAt pgtype.Timestamptz
+	ExpiresAt  pgtype.Timestamptz
+}

@@ -11,6 +11,49 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const acquireRelayLease = `-- name: AcquireRelayLease :one
+WITH taken AS (
+    INSERT INTO idem_relay_leader AS l (name, holder, token, expires_at)
+    VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8))
+    ON CONFLICT (name) DO UPDATE
+    SET holder = EXCLUDED.holder, token = EXCLUDED.token, acquired_at = now(), expires_at = EXCLUDED.expires_at
+    WHERE l.expires_at <= now() OR l.holder = EXCLUDED.holder
+    RETURNING l.token
+)
+SELECT EXISTS (SELECT 1 FROM taken) AS acquired,
+       coalesce((SELECT greatest(extract(epoch FROM c.expires_at - now()) * 1000, 0)::bigint
+                 FROM idem_relay_leader c WHERE c.name = $1), 0)::bigint AS remaining_ms
+`
+
+type AcquireRelayLeaseParams struct {
+	Name         string
+	Holder       string
+	Token        string
+	LeaseSeconds float64
+}
+
+type AcquireRelayLeaseRow struct {
+	Acquired    bool
+	RemainingMs int64
+}
+
+// Takes the lease for token when nobody holds it, the holder's lease has
+// expired (by PostgreSQL's clock), or holder itself held it (a relay that
+// stepped down after a failed renewal starts a new term at once, with a new
+// token that fences its old one). acquired is false when another holder has
+// a live lease; remaining_ms then says when it expires.
+func (q *Queries) AcquireRelayLease(ctx context.Context, arg AcquireRelayLeaseParams) (AcquireRelayLeaseRow, error) {
+	row := q.db.QueryRow(ctx, acquireRelayLease,
+		arg.Name,
+		arg.Holder,
+		arg.Token,
+		arg.LeaseSeconds,
+	)
+	var i AcquireRelayLeaseRow
+	err := row.Scan(&i.Acquired, &i.RemainingMs)
+	return i, err
+}
+
 const claimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5::float8))
@@ -51,18 +94,21 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 }
 
 const claimOutboxBatch = `-- name: ClaimOutboxBatch :many
-WITH c AS (
+WITH l AS (
+    SELECT 1 FROM idem_relay_leader
+    WHERE name = $3 AND token = $1 AND expires_at > now()
+    FOR SHARE
+), c AS (
     SELECT o.id FROM idem_outbox o
-    WHERE o.status = 'PENDING'
+    WHERE o.status = 'PENDING' AND EXISTS (SELECT 1 FROM l)
     ORDER BY o.id
-    LIMIT $3
+    LIMIT $4
     FOR UPDATE SKIP LOCKED
 )
 UPDATE idem_outbox o
 SET status = 'PUBLISHING',
     claim_token = $1,
-    locked_until = now() + make_interval(secs => $2::float8),
-    attempts = o.attempts + 1
+    locked_until = now() + make_interval(secs => $2::float8)
 FROM c
 WHERE o.id = c.id
 RETURNING o.id, o.event_id, o.topic, o.record_key, o.payload, o.headers, o.attempts
@@ -71,6 +117,7 @@ RETURNING o.id, o.event_id, o.topic, o.record_key, o.payload, o.headers, o.attem
 type ClaimOutboxBatchParams struct {
 	ClaimToken   pgtype.Text
 	LeaseSeconds float64
+	Name         string
 	BatchSize    int32
 }
 
@@ -84,12 +131,19 @@ type ClaimOutboxBatchRow struct {
 	Attempts  int32
 }
 
-// Claims up to batch_size PENDING rows in id order for one relay, under its
-// claim token, for lease_seconds. PostgreSQL's UPDATE has no LIMIT, so the
-// rows are picked in a CTE; SKIP LOCKED lets concurrent relays claim disjoint
-// batches instead of waiting on each other.
+// Claims up to batch_size PENDING rows in id order for the leading relay,
+// under its lease token, for lease_seconds; nothing unless that token holds
+// the live lease. The lease row is read FOR SHARE, so a standby's takeover
+// waits for this claim to commit and its reset then returns the rows to
+// PENDING: a claim can never slip in behind a takeover. PostgreSQL's UPDATE
+// has no LIMIT, so the rows are picked in a CTE.
 func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchParams) ([]ClaimOutboxBatchRow, error) {
-	rows, err := q.db.Query(ctx, claimOutboxBatch, arg.ClaimToken, arg.LeaseSeconds, arg.BatchSize)
+	rows, err := q.db.Query(ctx, claimOutboxBatch,
+		arg.ClaimToken,
+		arg.LeaseSeconds,
+		arg.Name,
+		arg.BatchSize,
+	)
 	if err != nil {
 		return nil, err
 	}
@@ -388,32 +442,41 @@ func (q *Queries) ListenOutbox(ctx context.Context) error {
 
 const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
 UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR o.attempts >= $1 THEN 'PARKED' ELSE 'PENDING' END,
+SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
+    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
     last_error = f.error,
     claim_token = NULL,
     locked_until = NULL
-FROM (SELECT unnest($3::bigint[]) AS id, unnest($4::text[]) AS error, unnest($5::bool[]) AS permanent) f
+FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
+             unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
 WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
+  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
 `
 
 type MarkOutboxFailedParams struct {
 	MaxAttempts int32
 	ClaimToken  pgtype.Text
+	Name        string
 	Ids         []int64
 	Errors      []string
 	Permanent   []bool
+	Counted     []bool
 }
 
-// Returns failed rows to PENDING, or parks them (PARKED) when they are past
-// the attempt budget or the failure is permanent; conditional on the claim
-// token like MarkOutboxPublished.
+// Returns failed rows to PENDING with their last_error. A counted failure
+// (the row's own: others of its batch got through) adds an attempt and parks
+// the row (PARKED) once it reaches max_attempts; a permanent one parks it at
+// once; an uncounted one (a broker-wide outage) changes neither. Conditional
+// on the claim token and the lease like MarkOutboxPublished.
 func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (int64, error) {
 	result, err := q.db.Exec(ctx, markOutboxFailed,
 		arg.MaxAttempts,
 		arg.ClaimToken,
+		arg.Name,
 		arg.Ids,
 		arg.Errors,
 		arg.Permanent,
+		arg.Counted,
 	)
 	if err != nil {
 		return 0, err
@@ -425,17 +488,19 @@ const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
 UPDATE idem_outbox
 SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until = NULL, last_error = NULL
 WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'PUBLISHING'
+  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
 `
 
 type MarkOutboxPublishedParams struct {
 	Ids        []int64
 	ClaimToken pgtype.Text
+	Name       string
 }
 
-// Only the relay holding the claim token may mark its rows: one whose lease
-// was taken over is refused (0 rows).
+// Only the relay whose token claimed the rows, and is still the lease's
+// token, may mark them: one whose lease was taken over is refused (0 rows).
 func (q *Queries) MarkOutboxPublished(ctx context.Context, arg MarkOutboxPublishedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxPublished, arg.Ids, arg.ClaimToken)
+	result, err := q.db.Exec(ctx, markOutboxPublished, arg.Ids, arg.ClaimToken, arg.Name)
 	if err != nil {
 		return 0, err
 	}
@@ -450,6 +515,16 @@ SELECT pg_advisory_xact_lock(7164539873465300001)
 // CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
 func (q *Queries) MigrateLock(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, migrateLock)
+	return err
+}
+
+const notifyOutbox = `-- name: NotifyOutbox :exec
+SELECT pg_notify('idem_outbox', '')
+`
+
+// Wakes the relay (delivered at commit), e.g. after parked rows are requeued.
+func (q *Queries) NotifyOutbox(ctx context.Context) error {
+	_, err := q.db.Exec(ctx, notifyOutbox)
 	return err
 }
 
@@ -488,9 +563,75 @@ SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING' AND locked_until < now()
 `
 
-// Returns PUBLISHING rows whose lease expired to PENDING.
+// Returns PUBLISHING rows whose row lease expired to PENDING.
 func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
 	result, err := q.db.Exec(ctx, reapOutbox)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const releaseRelayLease = `-- name: ReleaseRelayLease :execrows
+UPDATE idem_relay_leader
+SET expires_at = now()
+WHERE name = $1 AND token = $2
+`
+
+type ReleaseRelayLeaseParams struct {
+	Name  string
+	Token string
+}
+
+// A leader stopping cleanly hands over at once instead of after the lease.
+func (q *Queries) ReleaseRelayLease(ctx context.Context, arg ReleaseRelayLeaseParams) (int64, error) {
+	result, err := q.db.Exec(ctx, releaseRelayLease, arg.Name, arg.Token)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const renewRelayLease = `-- name: RenewRelayLease :execrows
+UPDATE idem_relay_leader
+SET expires_at = now() + make_interval(secs => $1::float8)
+WHERE name = $2 AND token = $3
+`
+
+type RenewRelayLeaseParams struct {
+	LeaseSeconds float64
+	Name         string
+	Token        string
+}
+
+// Extends the lease held by token. 0 rows: another relay took it over.
+func (q *Queries) RenewRelayLease(ctx context.Context, arg RenewRelayLeaseParams) (int64, error) {
+	result, err := q.db.Exec(ctx, renewRelayLease, arg.LeaseSeconds, arg.Name, arg.Token)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const requeueParkedOutbox = `-- name: RequeueParkedOutbox :execrows
+UPDATE idem_outbox
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+WHERE status = 'PARKED'
+  AND ($1::bool OR id = ANY($2::bigint[]) OR topic = ANY($3::text[]))
+`
+
+type RequeueParkedOutboxParams struct {
+	AllRows bool
+	Ids     []int64
+	Topics  []string
+}
+
+// Returns PARKED rows to PENDING with a fresh attempt budget: every parked
+// row (all), those with the given ids, or those of the given topics. They go
+// out through the ordinary relay path (claim, publish, mark under the lease).
+// last_error is kept until the row is published.
+func (q *Queries) RequeueParkedOutbox(ctx context.Context, arg RequeueParkedOutboxParams) (int64, error) {
+	result, err := q.db.Exec(ctx, requeueParkedOutbox, arg.AllRows, arg.Ids, arg.Topics)
 	if err != nil {
 		return 0, err
 	}
@@ -501,13 +642,21 @@ const resetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING'
+  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $1 AND l.token = $2 AND l.expires_at > now())
 `
 
-// On taking over as the active relay: every PUBLISHING row belongs to a
-// predecessor that is gone; return them all to PENDING before publishing, so
-// they go out again in id order.
-func (q *Queries) ResetOutboxPublishing(ctx context.Context) (int64, error) {
-	result, err := q.db.Exec(ctx, resetOutboxPublishing)
+type ResetOutboxPublishingParams struct {
+	Name  string
+	Token string
+}
+
+// On taking over as the leading relay: every PUBLISHING row belongs to a
+// predecessor whose lease is over; return them all to PENDING before
+// publishing, so they go out again in id order. Only while token holds the
+// live lease, so a leader that froze right after taking over cannot reset
+// its successor's rows.
+func (q *Queries) ResetOutboxPublishing(ctx context.Context, arg ResetOutboxPublishingParams) (int64, error) {
+	result, err := q.db.Exec(ctx, resetOutboxPublishing, arg.Name, arg.Token)
 	if err != nil {
 		return 0, err
 	}
@@ -536,17 +685,13 @@ func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error 
 	return err
 }
 
-const tryRelayLock = `-- name: TryRelayLock :one
-SELECT pg_try_advisory_lock((7651::bigint << 32) | 'idem_outbox'::regclass::oid::bigint)
+const setRelayStatementTimeout = `-- name: SetRelayStatementTimeout :exec
+SELECT set_config('statement_timeout', $1::text, true)
 `
 
-// Session-level: the active relay holds it on a dedicated connection for as
-// long as it runs; it is released when that connection ends, however the
-// process dies. The key includes the outbox table's oid, so outboxes in
-// different schemas of one database elect their relays independently.
-func (q *Queries) TryRelayLock(ctx context.Context) (bool, error) {
-	row := q.db.QueryRow(ctx, tryRelayLock)
-	var pg_try_advisory_lock bool
-	err := row.Scan(&pg_try_advisory_lock)
-	return pg_try_advisory_lock, err
+// Bounds the lease queries on the server too (transaction-local), so a lease
+// statement stuck behind a lock cannot outlive the lease it renews.
+func (q *Queries) SetRelayStatementTimeout(ctx context.Context, timeout string) error {
+	_, err := q.db.Exec(ctx, setRelayStatementTimeout, timeout)
+	return err
 }

@@ -1,0 +1,185 @@
+package telemetry_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
+)
+
+// collect reads every metric from reader, by name.
+func collect(t *testing.T, reader *sdkmetric.ManualReader) map[string]metricdata.Aggregation {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]metricdata.Aggregation{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			out[m.Name] = m.Data
+		}
+	}
+	return out
+}
+
+func sumFor(t *testing.T, agg metricdata.Aggregation, kv ...attribute.KeyValue) int64 {
+	t.Helper()
+	sum, ok := agg.(metricdata.Sum[int64])
+	if !ok {
+		t.Fatalf("aggregation %T, want Sum[int64]", agg)
+	}
+	want := attribute.NewSet(kv...)
+	var n int64
+	for _, dp := range sum.DataPoints {
+		match := true
+		for _, a := range want.ToSlice() {
+			if v, ok := dp.Attributes.Value(a.Key); !ok || v != a.Value {
+				match = false
+			}
+		}
+		if match {
+			n += dp.Value
+		}
+	}
+	return n
+}
+
+func setup(t *testing.T) (*telemetry.Telemetry, *sdkmetric.ManualReader, *tracetest.SpanRecorder) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	tel, err := telemetry.New(mp, tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tel, reader, rec
+}
+
+func TestHTTPInstruments(t *testing.T) {
+	tel, reader, rec := setup(t)
+	ctx := context.Background()
+	for _, outcome := range []string{"executed", "replayed", "replayed", "409"} {
+		_, done := tel.HTTPStart(ctx, "POST /payments", "scope")
+		done(outcome, nil)
+	}
+	tel.HTTPWaited(ctx, "POST /payments")
+	m := collect(t, reader)
+	if got := sumFor(t, m["idem.http.operations"], telemetry.KeyOutcome.String("replayed")); got != 2 {
+		t.Errorf("replayed = %d, want 2", got)
+	}
+	if got := sumFor(t, m["idem.http.key_waits"]); got != 1 {
+		t.Errorf("key_waits = %d, want 1", got)
+	}
+	h, ok := m["idem.http.duration"].(metricdata.Histogram[float64])
+	if !ok || len(h.DataPoints) == 0 || h.DataPoints[0].Count+func() uint64 {
+		var c uint64
+		for _, dp := range h.DataPoints[1:] {
+			c += dp.Count
+		}
+		return c
+	}() != 4 {
+		t.Errorf("duration histogram = %+v, want 4 observations", m["idem.http.duration"])
+	}
+	spans := rec.Ended()
+	if len(spans) != 4 {
+		t.Fatalf("%d spans, want 4", len(spans))
+	}
+	if spans[0].Name() != "idem.http POST /payments" {
+		t.Errorf("span name %q", spans[0].Name())
+	}
+}
+
+func TestRecordInstrumentsAndCancellation(t *testing.T) {
+	tel, reader, rec := setup(t)
+	ctx := context.Background()
+	_, done := tel.RecordStart(ctx, "billing", "orders", 3, 42)
+	done("applied", nil)
+	_, done = tel.RecordStart(ctx, "billing", "orders", 3, 43)
+	done("cancelled", context.Canceled)
+	_, done = tel.RecordStart(ctx, "billing", "orders", 3, 44)
+	done("dead-lettered", errors.New("boom"))
+	tel.RecordRetried(ctx, "billing", "orders")
+	tel.ConsumerBackoff(ctx, "billing", 2*time.Second)
+	m := collect(t, reader)
+	for outcome, want := range map[string]int64{"applied": 1, "dead-lettered": 1, "retried": 1} {
+		if got := sumFor(t, m["idem.consumer.records"], telemetry.KeyOutcome.String(outcome)); got != want {
+			t.Errorf("%s = %d, want %d", outcome, got, want)
+		}
+	}
+	g, ok := m["idem.consumer.retry_backoff"].(metricdata.Gauge[float64])
+	if !ok || len(g.DataPoints) != 1 || g.DataPoints[0].Value != 2 {
+		t.Errorf("retry_backoff = %+v, want 2s", m["idem.consumer.retry_backoff"])
+	}
+	spans := rec.Ended()
+	if len(spans) != 3 {
+		t.Fatalf("%d spans", len(spans))
+	}
+	// Cancellation is recorded as the outcome but is not a span error.
+	if spans[1].Status().Code == codes.Error {
+		t.Errorf("a cancelled record's span is marked as an error")
+	}
+	if spans[2].Status().Code != codes.Error {
+		t.Errorf("a dead-lettered record's span is not marked as an error")
+	}
+}
+
+func TestRelayAndLagGauges(t *testing.T) {
+	tel, reader, _ := setup(t)
+	ctx := context.Background()
+	_, done := tel.RelayBatchStart(ctx)
+	done(5, 2, 1, nil)
+	tel.RelayLeader(ctx, true)
+	unregister, err := tel.RegisterLag(func(context.Context) (telemetry.Lag, error) {
+		return telemetry.Lag{Pending: 7, OldestPendingAge: 1500 * time.Millisecond, Parked: 2, DeadLetters: 3}, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := collect(t, reader)
+	if got := sumFor(t, m["idem.relay.published"]); got != 5 {
+		t.Errorf("published = %d", got)
+	}
+	if got := sumFor(t, m["idem.relay.parked"]); got != 1 {
+		t.Errorf("parked = %d", got)
+	}
+	if g := m["idem.relay.leader"].(metricdata.Gauge[int64]); g.DataPoints[0].Value != 1 {
+		t.Errorf("leader = %d", g.DataPoints[0].Value)
+	}
+	if g := m["idem.outbox.pending"].(metricdata.Gauge[int64]); g.DataPoints[0].Value != 7 {
+		t.Errorf("pending = %d", g.DataPoints[0].Value)
+	}
+	if g := m["idem.outbox.oldest_pending_age"].(metricdata.Gauge[float64]); g.DataPoints[0].Value != 1.5 {
+		t.Errorf("oldest age = %v", g.DataPoints[0].Value)
+	}
+	if g := m["idem.dead_letters"].(metricdata.Gauge[int64]); g.DataPoints[0].Value != 3 {
+		t.Errorf("dead letters = %d", g.DataPoints[0].Value)
+	}
+	if err := unregister(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := collect(t, reader)["idem.outbox.pending"]; ok {
+		t.Errorf("pending still reported after unregister")
+	}
+}
+
+// A nil *Telemetry (a component built without instruments) records nothing
+// and never panics.
+func TestNilTelemetry(t *testing.T) {
+	var tel *telemetry.Telemetry
+	ctx, done := tel.HTTPStart(context.Background(), "e", "s")
+	done("executed", nil)
+	_, d2 := tel.RecordStart(ctx, "c", "t", 0, 0)
+	d2("applied", nil)
+	tel.RelayLeader(ctx, true)
+}

@@ -1,0 +1,259 @@
+package kafka_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// TestMain lets this test binary double as a relay process: with
+// IDEM_RELAY_CHILD=1 it runs relayChild instead of the tests, so the
+// takeover tests can SIGKILL and SIGSTOP a real process.
+func TestMain(m *testing.M) {
+	if os.Getenv("IDEM_RELAY_CHILD") == "1" {
+		os.Exit(relayChild())
+	}
+	os.Exit(m.Run())
+}
+
+// relayChild runs one relay on IDEM_DB_URL and IDEM_BROKERS with lease
+// IDEM_LEASE until SIGTERM. It prints LEADING when it becomes the leader;
+// its log goes to stderr.
+func relayChild() int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	lease, err := time.ParseDuration(os.Getenv("IDEM_LEASE"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "IDEM_LEASE:", err)
+		return 2
+	}
+	pool, err := pgxpool.New(ctx, os.Getenv("IDEM_DB_URL"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pool:", err)
+		return 2
+	}
+	defer pool.Close()
+	pub, err := kafka.NewPublisher(strings.Split(os.Getenv("IDEM_BROKERS"), ","))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "publisher:", err)
+		return 2
+	}
+	defer pub.Close()
+	r, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{
+		Lease: lease, PollInterval: 50 * time.Millisecond, BatchSize: 50,
+		Logger:   slog.New(slog.NewTextHandler(os.Stderr, nil)),
+		OnLeader: func() { fmt.Println("LEADING") },
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "relay:", err)
+		return 2
+	}
+	if err := r.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "run:", err)
+		return 1
+	}
+	return 0
+}
+
+// relayProc is a relay child process and the lines it printed.
+type relayProc struct {
+	name string
+	cmd  *exec.Cmd
+	mu   sync.Mutex
+	log  []string
+	seen *sync.Cond
+}
+
+func startRelayProc(t *testing.T, name, dbURL string, brokers []string, lease time.Duration) *relayProc {
+	t.Helper()
+	p := &relayProc{name: name}
+	p.seen = sync.NewCond(&p.mu)
+	p.cmd = exec.Command(os.Args[0], "-test.run=^$")
+	p.cmd.Env = append(os.Environ(), "IDEM_RELAY_CHILD=1", "IDEM_DB_URL="+dbURL,
+		"IDEM_BROKERS="+strings.Join(brokers, ","), "IDEM_LEASE="+lease.String())
+	r, w := io.Pipe()
+	p.cmd.Stdout, p.cmd.Stderr = w, w
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		sc := bufio.NewScanner(r)
+		for sc.Scan() {
+			p.mu.Lock()
+			p.log = append(p.log, sc.Text())
+			p.seen.Broadcast()
+			p.mu.Unlock()
+		}
+	}()
+	go func() { _ = p.cmd.Wait(); w.Close() }()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Signal(syscall.SIGCONT)
+		_ = p.cmd.Process.Kill()
+		if t.Failed() {
+			t.Logf("relay %s log:\n%s", name, p.text())
+		}
+	})
+	return p
+}
+
+func (p *relayProc) text() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return strings.Join(p.log, "\n")
+}
+
+// waitFor waits until the process has printed a line containing every one
+// of parts, at or after line from, and returns the time it saw it and the
+// index after that line.
+func (p *relayProc) waitFor(t *testing.T, from int, timeout time.Duration, parts ...string) (time.Time, int) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	timer := time.AfterFunc(timeout, func() { p.mu.Lock(); p.seen.Broadcast(); p.mu.Unlock() })
+	defer timer.Stop()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for {
+	lines:
+		for i := from; i < len(p.log); i++ {
+			for _, s := range parts {
+				if !strings.Contains(p.log[i], s) {
+					continue lines
+				}
+			}
+			return time.Now(), i + 1
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("relay %s did not print %q within %v:\n%s", p.name, parts, timeout, strings.Join(p.log, "\n"))
+		}
+		p.seen.Wait()
+	}
+}
+
+func (p *relayProc) signal(t *testing.T, sig syscall.Signal) time.Time {
+	t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		t.Fatalf("signal %v to relay %s: %v", sig, p.name, err)
+	}
+	return time.Now()
+}
+
+// Takeover, measured on real processes while events keep being enqueued: the
+// leader is SIGKILLed (a standby takes over when the lease expires), then
+// the next leader is frozen with SIGSTOP while its connections stay open (the
+// case a session advisory lock never noticed: nobody took over). Both
+// takeovers come within the lease, plus scheduling slack on a loaded
+// machine. The frozen leader, woken with SIGCONT, finds its lease gone and
+// stands by without claiming, marking or publishing; in the end every event
+// is published, nothing is parked, and per key the first delivery of every
+// event is in order.
+//
+//	go test ./runtime/kafka -run TestRelayTakeoverKilledAndFrozen -v -count=1
+func TestRelayTakeoverKilledAndFrozen(t *testing.T) {
+	t.Parallel()
+	const lease = 2 * time.Second
+	const slack = 3 * time.Second // scheduling on 2 shared cores; the design bound is lease + one round trip
+	addrs := cluster(t, 4, "events")
+	dbURL := pgtest.Schema(t)
+	pool, err := pgxpool.New(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+
+	// Enqueue events continuously, 8 keys, until stopped.
+	var (
+		total    int
+		stopFeed = make(chan struct{})
+		fed      = make(chan int)
+	)
+	go func() {
+		seq := map[string]int{}
+		n := 0
+		for {
+			select {
+			case <-stopFeed:
+				fed <- n
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			k := fmt.Sprintf("k%d", n%8)
+			tx, err := pool.Begin(context.Background())
+			if err == nil {
+				err = idem.Enqueue(context.Background(), tx, "events", k, keyed{Key: k, Seq: seq[k]})
+				if err == nil {
+					err = tx.Commit(context.Background())
+				}
+				_ = tx.Rollback(context.Background())
+			}
+			if err != nil {
+				t.Errorf("enqueue: %v", err)
+				fed <- n
+				return
+			}
+			seq[k]++
+			n++
+		}
+	}()
+	published := func() int64 { return statusCounts(t, pool)["PUBLISHED"] }
+
+	a := startRelayProc(t, "A", dbURL, addrs, lease)
+	a.waitFor(t, 0, 30*time.Second, "LEADING")
+	b := startRelayProc(t, "B", dbURL, addrs, lease)
+	b.waitFor(t, 0, 30*time.Second, "standing by")
+	waitUntil(t, "A to publish", func() bool { return published() >= 20 })
+
+	killedAt := a.signal(t, syscall.SIGKILL)
+	bLed, _ := b.waitFor(t, 0, lease+30*time.Second, "LEADING")
+	killed := bLed.Sub(killedAt)
+	before := published()
+	waitUntil(t, "B to publish", func() bool { return published() >= before+20 })
+
+	c := startRelayProc(t, "C", dbURL, addrs, lease)
+	c.waitFor(t, 0, 30*time.Second, "standing by")
+	frozenAt := b.signal(t, syscall.SIGSTOP)
+	cLed, _ := c.waitFor(t, 0, lease+30*time.Second, "LEADING")
+	frozen := cLed.Sub(frozenAt)
+	before = published()
+	waitUntil(t, "C to publish", func() bool { return published() >= before+20 })
+
+	bLines := len(strings.Split(b.text(), "\n"))
+	b.signal(t, syscall.SIGCONT)
+	b.waitFor(t, bLines-1, 30*time.Second, "relay stepped down", "relay lease lost")
+	time.Sleep(lease) // B runs on for a lease: it must stay a standby
+	if strings.Count(b.text(), "LEADING") != 1 {
+		t.Fatalf("B led again after waking:\n%s", b.text())
+	}
+
+	t.Logf("B after SIGCONT:\n%s", strings.Join(strings.Split(b.text(), "\n")[bLines-1:], "\n"))
+	close(stopFeed)
+	total = <-fed
+	waitUntil(t, "every event to be published", func() bool { return published() == int64(total) })
+	if c := statusCounts(t, pool); len(c) != 1 {
+		t.Fatalf("statuses %v, want only PUBLISHED", c)
+	}
+	dups := distinctInKeyOrder(t, addrs, "events", total, 0)
+	t.Logf("lease %v: takeover after SIGKILL %v, after SIGSTOP %v; %d events, %d duplicate records",
+		lease, killed.Round(time.Millisecond), frozen.Round(time.Millisecond), total, dups)
+	if killed > lease+slack || frozen > lease+slack {
+		t.Fatalf("takeover took %v (killed) and %v (frozen), lease %v", killed, frozen, lease)
+	}
+}
