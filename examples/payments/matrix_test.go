@@ -483,6 +483,11 @@ func relayTrial(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, notif *notifi
 		return tr
 	}
 	firedAt := time.Now()
+	// The k-th batch (event k-1 alone) was produced and never marked: the
+	// process died or froze between the two, not after.
+	if got, want := pgtest.Count(t, m.pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PUBLISHED'`), before+int64(k)-1; got != want {
+		t.Errorf("when relay.after-publish fired on hit %d: %d rows PUBLISHED, want %d (the k-th batch unmarked)", k, got-before, want-before)
+	}
 	var r2 *child
 	if stop {
 		r2 = standby
@@ -511,7 +516,7 @@ func relayTrial(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, notif *notifi
 		_ = r1.cmd.Process.Signal(syscall.SIGCONT)
 		refused := regexp.MustCompile(`(?i)lease lost|stepped down`)
 		if !waitFor(10*time.Second, func() bool { return refused.MatchString(r1.logSince(mark)) }) {
-			t.Errorf("the thawed leader never reported its late mark refused:\n%s", r1.logSince(mark))
+			t.Errorf("the thawed leader never reported its late mark refused; its log (thawed at line %d):\n%s\nthe other relay:\n%s", mark, r1.log(), r2.log())
 		}
 		if got := pgtest.Count(t, m.pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PUBLISHED'`); got != before+n {
 			t.Errorf("after the thaw: %d rows PUBLISHED, want %d", got, before+n)

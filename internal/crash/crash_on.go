@@ -5,6 +5,7 @@ package crash
 import (
 	"context"
 	"os"
+	"runtime"
 	"strconv"
 	"sync/atomic"
 	"syscall"
@@ -29,7 +30,14 @@ func Point(ctx context.Context, name string) {
 		select {} // the signal is asynchronous; never run past the point
 	}
 	if os.Getenv("IDEM_STOP_AT") == name && nth() {
-		_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+		// Signal this very thread: a SIGSTOP sent to the process is taken
+		// by whichever thread the kernel picks, and until that one runs
+		// (milliseconds on a loaded machine) this thread goes on past the
+		// point — the matrix saw marks land that should have been frozen.
+		// A thread-directed stop is acted on before the syscall returns.
+		runtime.LockOSThread()
+		_ = syscall.Tgkill(os.Getpid(), syscall.Gettid(), syscall.SIGSTOP)
+		runtime.UnlockOSThread()
 		// After SIGCONT the process goes on from here, late, as a frozen
 		// process does.
 	}
