@@ -112,10 +112,13 @@ func matrixTrials(t *testing.T) int {
 
 // trialResult is what one trial found. dup counts effects applied more than
 // once, lost the events or acknowledged requests never applied, disorder the
-// keys whose first deliveries came out of enqueue order.
+// keys whose first deliveries came out of enqueue order, dead the valid
+// records dead-lettered or outbox rows parked (the matrix sends nothing
+// invalid, so a redelivery that fails instead of being skipped shows here,
+// even where a unique constraint kept the second effect out).
 type trialResult struct {
-	dup, lost, disorder int
-	recovery            time.Duration // from the kill (or freeze) to every effect applied
+	dup, lost, disorder, dead int
+	recovery                  time.Duration // from the kill (or freeze) to every effect applied
 }
 
 // rowResult sums a row's trials.
@@ -125,6 +128,7 @@ type rowResult struct {
 	trials    int
 	dup, lost int
 	disorder  int
+	dead      int
 	failures  int // trials that reported a test error (see the log)
 	recovery  []time.Duration
 	elapsed   time.Duration
@@ -135,6 +139,7 @@ func (r *rowResult) add(tr trialResult) {
 	r.dup += tr.dup
 	r.lost += tr.lost
 	r.disorder += tr.disorder
+	r.dead += tr.dead
 	if tr.recovery > 0 {
 		r.recovery = append(r.recovery, tr.recovery)
 	}
@@ -151,9 +156,9 @@ func (r *rowResult) median() time.Duration {
 
 func formatTable(rows []*rowResult) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%-44s %6s %10s %5s %9s %9s %8s %9s\n", "point", "trials", "duplicates", "lost", "disorder", "failures", "median", "row time")
+	fmt.Fprintf(&b, "%-44s %6s %10s %5s %9s %12s %9s %9s %9s\n", "point", "trials", "duplicates", "lost", "disorder", "dead/parked", "failures", "median", "row time")
 	for _, r := range rows {
-		fmt.Fprintf(&b, "%-44s %6d %10d %5d %9d %9d %8v %9v\n", r.row, r.trials, r.dup, r.lost, r.disorder, r.failures,
+		fmt.Fprintf(&b, "%-44s %6d %10d %5d %9d %12d %9d %9v %9v\n", r.row, r.trials, r.dup, r.lost, r.disorder, r.dead, r.failures,
 			r.median(), r.elapsed.Round(100*time.Millisecond))
 	}
 	return b.String()
@@ -452,4 +457,11 @@ func (m *matrixEnv) groupMembers(group string) int {
 		return 0
 	}
 	return len(resp.Groups[0].Members)
+}
+
+// deadOrParked counts the schema's dead letters and parked outbox rows.
+func (m *matrixEnv) deadOrParked(t *testing.T) int {
+	t.Helper()
+	return int(pgtest.Count(t, m.pool, `SELECT count(*) FROM idem_dead_letters`) +
+		pgtest.Count(t, m.pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PARKED'`))
 }

@@ -140,9 +140,11 @@ func TestCrashMatrix(t *testing.T) {
 					}
 					var tr trialResult
 					ok := t.Run(fmt.Sprintf("trial-%02d", i), func(t *testing.T) {
+						dead := m.deadOrParked(t)
 						tr = r.trial(t, m, i, rng, extra)
-						if tr.dup+tr.lost+tr.disorder > 0 {
-							t.Errorf("%d duplicates, %d lost, %d keys out of order", tr.dup, tr.lost, tr.disorder)
+						tr.dead = m.deadOrParked(t) - dead
+						if tr.dup+tr.lost+tr.disorder+tr.dead > 0 {
+							t.Errorf("%d duplicates, %d lost, %d keys out of order, %d dead-lettered or parked", tr.dup, tr.lost, tr.disorder, tr.dead)
 						}
 					})
 					mu.Lock()
@@ -163,9 +165,9 @@ func TestCrashMatrix(t *testing.T) {
 	fmt.Fprintf(os.Stdout, "\ncrash matrix (%d trials per row, seed %d, %v):\n%s\n", trials, seed, time.Since(start).Round(time.Second), table)
 	t.Logf("crash matrix:\n%s", table)
 	for _, r := range results {
-		if r.dup+r.lost+r.disorder > 0 || r.trials < trials {
-			t.Errorf("%s: %d/%d trials, %d duplicates, %d lost, %d out of order; want all trials and zeros",
-				r.row, r.trials, trials, r.dup, r.lost, r.disorder)
+		if r.dup+r.lost+r.disorder+r.dead+r.failures > 0 || r.trials < trials {
+			t.Errorf("%s: %d/%d trials, %d duplicates, %d lost, %d out of order, %d dead/parked, %d failed trials; want all trials and zeros",
+				r.row, r.trials, trials, r.dup, r.lost, r.disorder, r.dead, r.failures)
 		}
 	}
 }
