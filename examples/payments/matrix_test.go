@@ -115,50 +115,73 @@ func TestCrashMatrix(t *testing.T) {
 	var mu sync.Mutex
 	results := make([]*rowResult, len(rows))
 	start := time.Now()
+	// Rows run side by side, IDEM_MATRIX_PARALLEL at a time (default 4),
+	// whatever -parallel says: a trial mostly waits (for a session timeout,
+	// a lease, a restart), so the rows overlap without competing for CPU.
+	// Kafka rows, the longest, start first.
+	par := 4
+	if s := os.Getenv("IDEM_MATRIX_PARALLEL"); s != "" {
+		if p, err := strconv.Atoi(s); err == nil && p > 0 {
+			par = p
+		}
+	}
+	order := make([]int, len(rows))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(a, b int) bool { return rows[order[a]].kafka && !rows[order[b]].kafka })
+	for ri, r := range rows {
+		results[ri] = &rowResult{row: r.name}
+	}
 	t.Run("rows", func(t *testing.T) {
-		for ri, r := range rows {
-			res := &rowResult{row: r.name}
-			results[ri] = res
-			t.Run(r.name, func(t *testing.T) {
-				t.Parallel()
-				mu.Lock()
-				res.ran = true
-				mu.Unlock()
-				rowStart := time.Now()
-				defer func() { mu.Lock(); res.elapsed = time.Since(rowStart); mu.Unlock() }()
-				m := newMatrixEnv(t, r.kafka)
-				var extra any
-				if r.setup != nil {
-					extra = r.setup(t, m)
-				}
-				rng := rand.New(rand.NewPCG(seed, uint64(ri)))
-				failedInARow := 0
-				for i := range trials {
-					if failedInARow == 3 {
-						t.Errorf("3 trials in a row failed: the row's remaining %d trials are not run", trials-i)
-						break
-					}
-					var tr trialResult
-					ok := t.Run(fmt.Sprintf("trial-%02d", i), func(t *testing.T) {
-						dead := m.deadOrParked(t)
-						tr = r.trial(t, m, i, rng, extra)
-						tr.dead = m.deadOrParked(t) - dead
-						if tr.dup+tr.lost+tr.disorder+tr.dead > 0 {
-							t.Errorf("%d duplicates, %d lost, %d keys out of order, %d dead-lettered or parked", tr.dup, tr.lost, tr.disorder, tr.dead)
-						}
-					})
+		sem := make(chan struct{}, par)
+		var wg sync.WaitGroup
+		for _, ri := range order {
+			r, res := rows[ri], results[ri]
+			sem <- struct{}{}
+			wg.Go(func() {
+				defer func() { <-sem }()
+				t.Run(r.name, func(t *testing.T) { // t.Run from several goroutines at once is allowed
 					mu.Lock()
-					res.add(tr)
-					if !ok {
-						res.failures++
-						failedInARow++
-					} else {
-						failedInARow = 0
-					}
+					res.ran = true
 					mu.Unlock()
-				}
+					rowStart := time.Now()
+					defer func() { mu.Lock(); res.elapsed = time.Since(rowStart); mu.Unlock() }()
+					m := newMatrixEnv(t, r.kafka)
+					var extra any
+					if r.setup != nil {
+						extra = r.setup(t, m)
+					}
+					rng := rand.New(rand.NewPCG(seed, uint64(ri)))
+					failedInARow := 0
+					for i := range trials {
+						if failedInARow == 3 {
+							t.Errorf("3 trials in a row failed: the row's remaining %d trials are not run", trials-i)
+							break
+						}
+						var tr trialResult
+						ok := t.Run(fmt.Sprintf("trial-%02d", i), func(t *testing.T) {
+							dead := m.deadOrParked(t)
+							tr = r.trial(t, m, i, rng, extra)
+							tr.dead = m.deadOrParked(t) - dead
+							if tr.dup+tr.lost+tr.disorder+tr.dead > 0 {
+								t.Errorf("%d duplicates, %d lost, %d keys out of order, %d dead-lettered or parked", tr.dup, tr.lost, tr.disorder, tr.dead)
+							}
+						})
+						mu.Lock()
+						res.add(tr)
+						if !ok {
+							res.failures++
+							failedInARow++
+						} else {
+							failedInARow = 0
+						}
+						mu.Unlock()
+					}
+				})
 			})
 		}
+		wg.Wait()
 	})
 	results = slices.DeleteFunc(results, func(r *rowResult) bool { return !r.ran }) // rows -run left out
 	table := formatTable(results)
