@@ -375,6 +375,7 @@ func startNotifier(t *testing.T, m *matrixEnv) *notifier {
 		t.Fatal(err)
 	}
 	cfg.Group = "matrix-notifications"
+	cfg.ClientOpts = append(cfg.ClientOpts, kgo.FetchMaxWait(200*time.Millisecond))
 	cfg.Handlers = IdemConsumers(&Billing{}, &Notifications{})[1:]
 	cons, err := kafka.NewConsumer(m.pool, cfg)
 	if err != nil {
