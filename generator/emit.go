@@ -129,7 +129,7 @@ func (e *emitter) httpHandler(h *httpFunc) {
 		fields = append(fields, field("KeyOptional", jen.True()))
 	}
 	if h.wait == 0 {
-		fields = append(fields, field("Wait", jen.Qual(runtimePath, "NoWait")))
+		fields = append(fields, field("NoWait", jen.True()))
 	} else {
 		fields = append(fields, field("Wait", duration(h.wait)))
 	}
@@ -154,10 +154,11 @@ func (e *emitter) httpHandler(h *httpFunc) {
 //
 //	// RegisterIdemRoutes registers ...
 //	func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *PaymentService) {
-//		mux.Handle("POST /payments", paymentService.ChargeHandler(h))
+//		idem.HandleRoute(mux, "POST /payments", paymentService.ChargeHandler(h))
 //	}
 //
-// with one parameter per receiver type, in order of first appearance.
+// with one parameter per receiver type, in order of first appearance
+// (HandleRoute answers a wrong method with a problem+json 405).
 func (e *emitter) registerRoutes() {
 	rp := newRecvParams("mux", "h")
 	var body []jen.Code
@@ -165,7 +166,7 @@ func (e *emitter) registerRoutes() {
 		if h.route == "" {
 			continue
 		}
-		body = append(body, jen.Id("mux").Dot("Handle").Call(jen.Lit(h.route), rp.target(&h.wrapped, h.handlerName()).Call(jen.Id("h"))))
+		body = append(body, jen.Qual(runtimePath, "HandleRoute").Call(jen.Id("mux"), jen.Lit(h.route), rp.target(&h.wrapped, h.handlerName()).Call(jen.Id("h"))))
 	}
 	if len(body) == 0 {
 		return

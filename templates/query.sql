@@ -5,16 +5,27 @@
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', @lock_timeout::text, true);
 
+-- name: SetConnectionCheck :exec
+-- Makes the backend check, during long statements and lock waits too, that
+-- the client is still connected, so a killed process frees its keys within
+-- the interval instead of when the statement ends. Transaction-scoped.
+SELECT set_config('client_connection_check_interval', @interval::text, true);
+
 -- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true);
 
 -- name: ClaimKey :execrows
--- Claims (scope, principal, key) for this transaction. Returns 1 row when the
--- key is new or its previous row has expired (the expired row is taken over),
--- 0 when a live row exists. A concurrent uncommitted claim makes this wait
--- until that transaction ends (bounded by lock_timeout).
+-- Claims (scope, principal, key) for this transaction. The transaction-scoped
+-- advisory lock on @lock_id (a 64-bit hash of the key, see idem.Key) is the
+-- in-flight marker: only its holder may insert or take over the row, so this
+-- statement never waits on a concurrent claim of the same key. It returns 1
+-- row when the key is new or its previous row has expired (the expired row is
+-- taken over), 0 when the lock is held elsewhere (the key is in flight) or a
+-- live row exists (GetKey tells which). Any wait here is on something else (a
+-- table lock, a purge holding an expired row), bounded by lock_timeout.
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
-VALUES (@scope, @principal, @key, @fingerprint, now() + make_interval(secs => @ttl_seconds::float8))
+SELECT @scope, @principal, @key, @fingerprint, now() + make_interval(secs => @ttl_seconds::float8)
+WHERE pg_try_advisory_xact_lock(@lock_id::bigint)
 ON CONFLICT (scope, principal, key) DO UPDATE
 SET fingerprint = EXCLUDED.fingerprint,
     status_code = 0,
@@ -25,7 +36,8 @@ SET fingerprint = EXCLUDED.fingerprint,
 WHERE idem_keys.expires_at <= now();
 
 -- name: GetKey :one
-SELECT fingerprint, status_code, headers, body, expires_at
+-- live is false for an expired row: one being taken over is still in flight.
+SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
 WHERE scope = @scope AND principal = @principal AND key = @key;
 
@@ -53,6 +65,18 @@ WHERE (scope, principal, key) IN (
 -- CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
 SELECT pg_advisory_xact_lock(7164539873465300001);
 
+-- name: GetSchemaVersion :one
+SELECT digest FROM idem_schema_version WHERE singleton;
+
+-- name: SetSchemaVersion :exec
+INSERT INTO idem_schema_version (digest) VALUES (@digest)
+ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = now();
+
+-- name: SetMigrateLockTimeout :exec
+-- Bounds how long Migrate's DDL queues for a table lock behind running
+-- requests (and makes new requests queue behind it) before it backs off.
+SELECT set_config('lock_timeout', @lock_timeout::text, true);
+
 -- name: InsertProcessedEvent :execrows
 -- Records that context applied event_id. 0 rows: it already had (a
 -- duplicate), and the handler must not run.
@@ -69,9 +93,30 @@ ON CONFLICT (context, event_id) DO NOTHING
 RETURNING event_id;
 
 -- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @headers, @attempts, @last_error)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING;
+-- A conflict is the same record (same bytes, same position) delivered again
+-- after a crash between the dead-letter commit and the offset commit.
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES (@context, @topic, @kpartition, @koffset, @record_key, @value, @header_keys::bytea[], @header_values::bytea[],
+        @record_digest, @attempts, @last_error)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING;
+
+-- name: GetDeadLetter :one
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
+FROM idem_dead_letters
+WHERE id = @id;
+
+-- name: MarkDeadLetterReplayed :execrows
+-- Runs in the replay's transaction, first: the row lock serializes concurrent
+-- replays of one dead letter, and a replayed one is not replayed again.
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = @id AND replayed_at IS NULL;
+
+-- name: RecordDeadLetterFailure :exec
+-- A replay that failed again: the dead letter stays, with the new error.
+UPDATE idem_dead_letters SET attempts = attempts + @attempts, last_error = @last_error
+WHERE id = @id AND replayed_at IS NULL;
 
 -- name: DeleteProcessedEventsBefore :execrows
 DELETE FROM idem_processed_events
@@ -120,22 +165,27 @@ SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until
 WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBLISHING'
   AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
 
--- name: MarkOutboxFailed :execrows
+-- name: MarkOutboxFailed :one
 -- Returns failed rows to PENDING with their last_error. A counted failure
 -- (the row's own: others of its batch got through) adds an attempt and parks
 -- the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 -- once; an uncounted one (a broker-wide outage) changes neither. Conditional
--- on the claim token and the lease like MarkOutboxPublished.
-UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
-    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
-    last_error = f.error,
-    claim_token = NULL,
-    locked_until = NULL
-FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
-             unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
-WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
-  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
+-- on the claim token and the lease like MarkOutboxPublished. It reports how
+-- many rows it marked and how many of them it parked.
+WITH marked AS (
+  UPDATE idem_outbox o
+  SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
+      attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
+      last_error = f.error,
+      claim_token = NULL,
+      locked_until = NULL
+  FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
+               unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
+  WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
+    AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token)
+  RETURNING o.status
+)
+SELECT count(*) AS marked, count(*) FILTER (WHERE status = 'PARKED') AS parked FROM marked;
 
 -- name: ReapOutbox :execrows
 -- Returns PUBLISHING rows whose row lease expired to PENDING.

@@ -38,23 +38,64 @@ CREATE TABLE IF NOT EXISTS idem_processed_events (
 CREATE INDEX IF NOT EXISTS idem_processed_events_processed_at ON idem_processed_events (processed_at);
 
 -- idem_dead_letters keeps the records a consumer could not apply (undecodable,
--- or failing past the retry budget), raw, so nothing is silently dropped. One
--- row per (context, topic, partition, offset): a redelivery after a crash does
--- not duplicate it.
+-- without an event id, or failing past the retry budget), raw, so nothing is
+-- silently dropped. Everything that came from the broker is stored as bytes:
+-- key, value, and the headers as two parallel arrays (repeated names kept, in
+-- order), so no byte sequence can make the insert fail; last_error is
+-- sanitized text. Rows are identified by id, never by (topic, partition,
+-- offset): an offset can be reused (topic re-created, cluster restored) and a
+-- new poison record must not collide with an old one. Only an exact
+-- redelivery — same context, position and record_digest (a hash of key, value
+-- and headers) — is stored once. replayed_at is set, in the same transaction
+-- as the replay's effects, when an operator replays the dead letter.
 CREATE TABLE IF NOT EXISTS idem_dead_letters (
-    id          bigserial   PRIMARY KEY,
-    context     text        NOT NULL,
-    topic       text        NOT NULL,
-    kpartition  integer     NOT NULL,
-    koffset     bigint      NOT NULL,
-    record_key  bytea,
-    value       bytea,
-    headers     jsonb       NOT NULL DEFAULT '{}',
-    attempts    integer     NOT NULL,
-    last_error  text        NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now(),
-    UNIQUE (context, topic, kpartition, koffset)
+    id             bigserial   PRIMARY KEY,
+    context        text        NOT NULL,
+    topic          text        NOT NULL,
+    kpartition     integer     NOT NULL,
+    koffset        bigint      NOT NULL,
+    record_key     bytea,
+    value          bytea,
+    header_keys    bytea[]     NOT NULL DEFAULT '{}',
+    header_values  bytea[]     NOT NULL DEFAULT '{}',
+    record_digest  bytea       NOT NULL DEFAULT '',
+    attempts       integer     NOT NULL,
+    last_error     text        NOT NULL,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    replayed_at    timestamptz
 );
+
+-- Upgrade of a table created by an earlier version (headers jsonb, one row per
+-- (context, topic, kpartition, koffset)). Each statement is a no-op on a
+-- current table. The old jsonb headers are copied into the arrays before the
+-- column is dropped (the old format had already lost repeated names and
+-- non-UTF-8 bytes; what it kept is kept).
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS header_keys bytea[] NOT NULL DEFAULT '{}';
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS header_values bytea[] NOT NULL DEFAULT '{}';
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS record_digest bytea NOT NULL DEFAULT '';
+ALTER TABLE idem_dead_letters ADD COLUMN IF NOT EXISTS replayed_at timestamptz;
+ALTER TABLE idem_dead_letters DROP CONSTRAINT IF EXISTS idem_dead_letters_context_topic_kpartition_koffset_key;
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM information_schema.columns
+               WHERE table_schema = current_schema() AND table_name = 'idem_dead_letters' AND column_name = 'headers') THEN
+        EXECUTE $u$
+            UPDATE idem_dead_letters d
+            SET header_keys = h.ks, header_values = h.vs
+            FROM (SELECT id,
+                         array_agg(convert_to(e.key, 'UTF8') ORDER BY e.key) AS ks,
+                         array_agg(convert_to(e.value, 'UTF8') ORDER BY e.key) AS vs
+                  FROM idem_dead_letters, jsonb_each_text(headers) AS e
+                  GROUP BY id) h
+            WHERE d.id = h.id
+        $u$;
+        ALTER TABLE idem_dead_letters DROP COLUMN headers;
+    END IF;
+END;
+$$;
+
+CREATE UNIQUE INDEX IF NOT EXISTS idem_dead_letters_delivery
+    ON idem_dead_letters (context, topic, kpartition, koffset, record_digest);
 
 -- idem_outbox holds events written in business transactions until the relay
 -- has published them: PENDING -> PUBLISHING (claimed by the leading relay,
@@ -111,3 +152,13 @@ $$;
 CREATE OR REPLACE TRIGGER idem_outbox_notify
 AFTER INSERT ON idem_outbox
 FOR EACH STATEMENT EXECUTE FUNCTION idem_outbox_notify();
+
+-- idem_schema_version records which text of this file was last applied (its
+-- SHA-256, written by idem.Migrate after applying it), so that Migrate on a
+-- current schema only reads this row: it then runs no DDL and takes no lock
+-- that a running replica's requests could queue behind.
+CREATE TABLE IF NOT EXISTS idem_schema_version (
+    singleton  boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
+    digest     text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);

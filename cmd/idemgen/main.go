@@ -5,6 +5,7 @@
 //	idemgen check [-tags list] [packages]     exit 0 if generated code is current, 1 if not
 //	idemgen diff  [-tags list] [packages]     print what gen would change; exit like check
 //	idemgen schema                            print the SQL schema idem.Migrate applies
+//	idemgen vet   [-tags list] [packages]     report mistakes that double-charge or lose events
 //
 // check and diff never write, and exit 2 on an error, like diff(1).
 package main
@@ -48,6 +49,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		switch args[0] {
 		case "gen", "check", "diff", "schema":
 			cmd, args = args[0], args[1:]
+		case "vet":
+			return runVet(ctx, args[1:], stdout, stderr)
 		case "help", "-h", "-help", "--help":
 			fmt.Fprint(stdout, usage)
 			return exitOK
@@ -95,6 +98,7 @@ const usage = `usage:
   idemgen check [-tags list] [packages]   exit 0 if generated code is current, 1 if not, 2 on error
   idemgen diff  [-tags list] [packages]   print the unified diff gen would apply; exit codes as check
   idemgen schema                          print the SQL that idem.Migrate applies
+  idemgen vet   [-tags list] [packages]   report mistakes that double-charge or lose events; exit 1 on findings
 packages default to "."; GOFLAGS and the go command's environment apply.
 `
 

@@ -42,9 +42,13 @@ func runDemo(ctx context.Context, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: newMux(pool)}
+	mux, err := newMux(pool)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mux}
 	served := make(chan error, 1)
-	go func() { served <- idem.ServeHTTP(ctx, srv, ln, 5*time.Second, nil) }()
+	go func() { served <- idem.ServeHTTP(ctx, srv, ln, idem.ServeConfig{Drain: 5 * time.Second}) }()
 	defer srv.Close()
 	base := "http://" + ln.Addr().String()
 
@@ -94,6 +98,10 @@ func runDemo(ctx context.Context, out io.Writer) error {
 
 	order4, key4 := "order-"+run+"-4", "pay-"+run+"-4"
 	prov.LoseNextResponse(order4)
+	// On a fresh connection: net/http re-sends a request carrying an
+	// Idempotency-Key by itself when a reused connection drops it, which
+	// would hide whether the idem client's own retry keeps the key.
+	currentProvider().http.CloseIdleConnections()
 	lost := c.post("8. the provider charges, but its answer to the service is lost on the way", key4,
 		fmt.Sprintf(`{"order_id":%q,"amount":2500,"currency":"EUR"}`, order4))
 	c.expect(lost.status == http.StatusCreated, "201: the service retried the provider with the same key and got the charge back, got %d", lost.status)
@@ -210,7 +218,7 @@ func kafkaDemo(ctx context.Context, out io.Writer, pool *pgxpool.Pool, c *demoCl
 		return nil, err
 	}
 	cfg.Group = "payments-demo-" + run
-	consumer, err := kafka.NewConsumer(pool, cfg)
+	consumer, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		return nil, err
 	}

@@ -35,7 +35,7 @@ func (s *PaymentService) ChargeHandler(h *idem.HTTP) http.Handler {
 
 // RegisterIdemRoutes registers every routed //idem:http handler of this package on mux.
 func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *PaymentService) {
-	mux.Handle("POST /payments", paymentService.ChargeHandler(h))
+	idem.HandleRoute(mux, "POST /payments", paymentService.ChargeHandler(h))
 }
 
 // HandleOrderConfirmedConsumer consumes orders.confirmed with (*Billing).HandleOrderConfirmed.

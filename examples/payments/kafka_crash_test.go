@@ -94,10 +94,14 @@ func TestConsumerCrashAfterCommitBeforeOffset(t *testing.T) {
 	}
 	wantCounts(t, k.provider, k.pool, "o-1", 1, 1, 1) // the duplicate never reached the provider
 	// The shutdown committed the offset: a third run does not see it again.
+	// It must be seen to consume, or "nothing delivered" would also hold for
+	// a consumer that never joined: a new record at offset 1 is applied,
+	// and offset 0 is not delivered before it.
+	k.produceOrder(t, OrderConfirmed{EventID: "evt-1b", OrderID: "o-1b", Total: 100, Currency: "EUR"})
 	c = startProcess(t, "consume", consuming, k.env...)
-	time.Sleep(2 * time.Second)
+	c.waitLog(t, regexp.MustCompile(`record done context=billing topic=orders.confirmed partition=0 offset=1 outcome=applied`))
 	c.stop(t)
-	if strings.Contains(c.log(), "topic=orders.confirmed") {
+	if strings.Contains(c.log(), "topic=orders.confirmed partition=0 offset=0 ") {
 		t.Fatalf("the record was delivered again after a clean shutdown:\n%s", c.log())
 	}
 }
@@ -171,12 +175,12 @@ func TestRelayCrashBetweenPublishAndMark(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.Handlers = IdemConsumers(&Billing{}, &Notifications{})[1:]
-	cons, err := kafka.NewConsumer(k.pool, cfg)
+	outcomes := make(chan idem.Outcome, 10)
+	cfg.OnRecord = func(_ *idem.EventHandler, _ *idem.Record, o idem.Outcome) { outcomes <- o }
+	cons, err := kafka.NewConsumer(idem.NewStore(k.pool), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	outcomes := make(chan idem.Outcome, 10)
-	cons.OnRecord = func(_ *idem.EventHandler, _ *idem.Record, o idem.Outcome) { outcomes <- o }
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- cons.Run(cctx) }()

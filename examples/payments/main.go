@@ -5,9 +5,12 @@
 //	go run ./examples/payments serve      serve on $ADDR (default 127.0.0.1:8080) until SIGTERM
 //	go run ./examples/payments provider   the payment provider on $PROVIDER_ADDR (default 127.0.0.1:8081); serve calls $PROVIDER_URL
 //
-// On SIGTERM, serve drains requests for $DRAIN_TIMEOUT (default 10s), then
-// cancels the rest: their transactions roll back and a retry is safe.
-// Both use $DATABASE_URL (default postgres://postgres@127.0.0.1:5432/postgres).
+// On SIGTERM, serve turns /readyz to 503 for $NOT_READY_DELAY (default 5s),
+// then drains requests for $DRAIN_TIMEOUT (default 10s), then cancels the
+// rest: their transactions roll back and a retry is safe. Start-up (schema
+// included) must finish within $STARTUP_TIMEOUT (default 15s), or the
+// process exits 1 with the reason. All use $DATABASE_URL (default
+// postgres://postgres@127.0.0.1:5432/postgres).
 package main
 
 import (
@@ -27,6 +30,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemgen/idemgen/examples/payments/db"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
@@ -64,41 +68,101 @@ func main() {
 	}
 }
 
-// open connects to the database and creates idemgen's and the service's tables.
+// open connects to the database and creates idemgen's and the service's
+// tables, within $STARTUP_TIMEOUT (default 15s): a database that refuses,
+// never answers or fails the schema is a clear error within that bound, and
+// SIGTERM (ctx) ends it at once.
 func open(ctx context.Context) (*pgxpool.Pool, error) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = defaultDatabaseURL
+	timeout, err := envDuration("STARTUP_TIMEOUT", 15*time.Second)
+	if err != nil {
+		return nil, err
 	}
-	pool, err := pgxpool.New(ctx, url)
+	cfg, err := pgxpool.ParseConfig(databaseURL())
+	if err != nil {
+		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect: %w", err)
 	}
-	if err := idem.Migrate(ctx, pool); err != nil {
-		pool.Close()
+	startCtx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := createTables(startCtx, pool); err != nil {
+		pool.Close() // no connection is held here, so Close cannot wait forever
+		switch {
+		case ctx.Err() != nil:
+			return nil, fmt.Errorf("start-up interrupted: %w", err)
+		case startCtx.Err() != nil:
+			return nil, fmt.Errorf("start-up did not finish within STARTUP_TIMEOUT=%v (is the database at DATABASE_URL reachable?): %w", timeout, err)
+		}
 		return nil, err
-	}
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("acquire: %w", err)
-	}
-	defer conn.Release()
-	if _, err := conn.Conn().PgConn().Exec(ctx, schema).ReadAll(); err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("create payments tables: %w", err)
 	}
 	return pool, nil
 }
 
-// newMux wires the generated routes.
-func newMux(pool *pgxpool.Pool) *http.ServeMux {
-	mux := http.NewServeMux()
-	RegisterIdemRoutes(mux, idem.NewHTTP(idem.NewStore(pool)), &PaymentService{})
-	return mux
+// createTables applies idemgen's schema (idem.Migrate: no DDL and no lock
+// when it is current) and the service's own, serialized across replicas
+// starting together.
+func createTables(ctx context.Context, pool *pgxpool.Pool) error {
+	if err := idem.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("create payments tables: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if err := db.New(tx).LockSchema(ctx); err != nil {
+		return fmt.Errorf("create payments tables: lock: %w", err)
+	}
+	// The schema is several statements; only the simple protocol runs them in
+	// one call.
+	if _, err := tx.Conn().PgConn().Exec(ctx, schema).ReadAll(); err != nil {
+		return fmt.Errorf("create payments tables: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("create payments tables: commit: %w", err)
+	}
+	return nil
 }
 
+// envDuration parses the duration in $name, or returns def if it is unset.
+func envDuration(name string, def time.Duration) (time.Duration, error) {
+	v := os.Getenv(name)
+	if v == "" {
+		return def, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < 0 {
+		return 0, fmt.Errorf("%s=%q: want a non-negative duration such as 5s", name, v)
+	}
+	return d, nil
+}
+
+// newMux wires the generated routes.
+func newMux(pool *pgxpool.Pool) (*http.ServeMux, error) {
+	h, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	RegisterIdemRoutes(mux, h, &PaymentService{})
+	return mux, nil
+}
+
+// serve serves the payments API on $ADDR until SIGTERM. On SIGTERM /readyz
+// answers 503 for $NOT_READY_DELAY (default 5s; 0 for none) while the port
+// still serves, so a load balancer sees it and stops sending traffic; then
+// the listener closes and requests drain for $DRAIN_TIMEOUT (default 10s).
 func serve(ctx context.Context) error {
+	drain, err := envDuration("DRAIN_TIMEOUT", 10*time.Second)
+	if err != nil {
+		return err
+	}
+	notReady, err := envDuration("NOT_READY_DELAY", idem.DefaultNotReadyDelay)
+	if err != nil {
+		return err
+	}
 	pool, err := open(ctx)
 	if err != nil {
 		return err
@@ -108,23 +172,24 @@ func serve(ctx context.Context) error {
 	if addr == "" {
 		addr = "127.0.0.1:8080"
 	}
+	mux, err := newMux(pool)
+	if err != nil {
+		return err
+	}
+	ready := &idem.Readiness{}
+	mux.Handle("GET /readyz", ready)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
 	// The address actually bound (ADDR may say port 0), for scripts and tests.
 	slog.Info("payments listening", "addr", ln.Addr().String())
-	drain := 10 * time.Second
-	if d := os.Getenv("DRAIN_TIMEOUT"); d != "" {
-		if drain, err = time.ParseDuration(d); err != nil {
-			return fmt.Errorf("DRAIN_TIMEOUT: %w", err)
-		}
-	}
-	mux := newMux(pool)
-	ready := &idem.Readiness{}
-	mux.Handle("GET /readyz", ready)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	err = idem.ServeHTTP(ctx, srv, ln, drain, ready)
+	cfg := idem.ServeConfig{Ready: ready, NotReadyDelay: notReady, NoNotReadyDelay: notReady == 0, Drain: drain}
+	if drain == 0 {
+		cfg.Drain = time.Nanosecond // DRAIN_TIMEOUT=0: cancel at once
+	}
+	err = idem.ServeHTTP(ctx, srv, ln, cfg)
 	if errors.Is(err, http.ErrServerClosed) {
 		err = nil
 	}
@@ -191,12 +256,12 @@ func consume(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c, err := kafka.NewConsumer(pool, cfg)
+		cfg.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
+			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
+		}
+		c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 		if err != nil {
 			return err
-		}
-		c.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
 		}
 		slog.Info("payments consuming", "brokers", brokers)
 		return c.Run(ctx)

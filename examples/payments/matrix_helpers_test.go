@@ -377,12 +377,8 @@ func startNotifier(t *testing.T, m *matrixEnv) *notifier {
 	cfg.Group = "matrix-notifications"
 	cfg.ClientOpts = append(cfg.ClientOpts, kgo.FetchMaxWait(200*time.Millisecond))
 	cfg.Handlers = IdemConsumers(&Billing{}, &Notifications{})[1:]
-	cons, err := kafka.NewConsumer(m.pool, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
 	n := &notifier{}
-	cons.OnRecord = func(_ *idem.EventHandler, rec *idem.Record, _ idem.Outcome) {
+	cfg.OnRecord = func(_ *idem.EventHandler, rec *idem.Record, _ idem.Outcome) {
 		var ev PaymentCharged
 		_ = json.Unmarshal(rec.Value, &ev)
 		d := delivery{chargeID: ev.ChargeID, key: string(rec.Key)}
@@ -394,6 +390,10 @@ func startNotifier(t *testing.T, m *matrixEnv) *notifier {
 		n.mu.Lock()
 		n.seen = append(n.seen, d)
 		n.mu.Unlock()
+	}
+	cons, err := kafka.NewConsumer(idem.NewStore(m.pool), cfg)
+	if err != nil {
+		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

@@ -53,18 +53,25 @@ func runProvider(ctx context.Context) error {
 	}
 	slog.Info("provider listening", "addr", ln.Addr().String())
 	srv := &http.Server{Handler: provider.New(pool, nil).Handler(), ReadHeaderTimeout: 5 * time.Second}
-	err = idem.ServeHTTP(ctx, srv, ln, 5*time.Second, nil)
+	err = idem.ServeHTTP(ctx, srv, ln, idem.ServeConfig{Drain: 5 * time.Second})
 	if errors.Is(err, http.ErrServerClosed) {
 		err = nil
 	}
 	return err
 }
 
+// providerCallTimeout bounds one charge call, its retries and the reading of
+// the answer: ResponseHeaderTimeout bounds each attempt's wait for headers,
+// but nothing else bounds a provider that sends headers and stalls its
+// body, and a consumer's context never ends on its own.
+var providerCallTimeout = 60 * time.Second
+
 // providerClient is the service's side of the provider: an idem client, so
 // every attempt and every re-run of one charge operation sends the same key.
 type providerClient struct {
-	base string
-	http *http.Client
+	base    string
+	http    *http.Client
+	timeout time.Duration // a whole call, see providerCallTimeout
 }
 
 func newProviderClient(baseURL string) *providerClient {
@@ -72,7 +79,7 @@ func newProviderClient(baseURL string) *providerClient {
 	// A provider that accepts the request and never answers is a failed
 	// attempt, retried with the same key, not a transaction held forever.
 	t.ResponseHeaderTimeout = 10 * time.Second
-	return &providerClient{base: strings.TrimRight(baseURL, "/"), http: idem.NewClient(t, idem.ClientConfig{})}
+	return &providerClient{base: strings.TrimRight(baseURL, "/"), http: idem.NewClient(t, idem.ClientConfig{}), timeout: providerCallTimeout}
 }
 
 var paymentProvider struct {
@@ -103,13 +110,16 @@ func currentProvider() *providerClient {
 }
 
 // charge asks the provider to charge, inside the operation running under
-// ctx. A cancelled ctx comes back as ctx.Err() itself.
+// ctx. A cancelled ctx comes back as ctx.Err() itself; a call that outlasts
+// c.timeout is an error (the provider did not confirm), not ctx's.
 func (c *providerClient) charge(ctx context.Context, req provider.ChargeRequest) (provider.Charge, error) {
 	body, err := json.Marshal(req)
 	if err != nil {
 		return provider.Charge{}, fmt.Errorf("encode provider charge: %w", err)
 	}
-	hreq, err := http.NewRequestWithContext(idem.WithCallName(ctx, providerChargeCall), http.MethodPost, c.base+"/charges", bytes.NewReader(body))
+	callCtx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	hreq, err := http.NewRequestWithContext(idem.WithCallName(callCtx, providerChargeCall), http.MethodPost, c.base+"/charges", bytes.NewReader(body))
 	if err != nil {
 		return provider.Charge{}, fmt.Errorf("provider charge request: %w", err)
 	}
@@ -119,7 +129,7 @@ func (c *providerClient) charge(ctx context.Context, req provider.ChargeRequest)
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return provider.Charge{}, ctxErr
 		}
-		return provider.Charge{}, fmt.Errorf("call the payment provider: %w", err)
+		return provider.Charge{}, fmt.Errorf("call the payment provider (the call may take %v): %w", c.timeout, err)
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
@@ -127,7 +137,7 @@ func (c *providerClient) charge(ctx context.Context, req provider.ChargeRequest)
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return provider.Charge{}, ctxErr
 		}
-		return provider.Charge{}, fmt.Errorf("read the payment provider's answer: %w", err)
+		return provider.Charge{}, fmt.Errorf("read the payment provider's answer (the call may take %v): %w", c.timeout, err)
 	}
 	if resp.StatusCode != http.StatusCreated && resp.StatusCode != http.StatusOK {
 		return provider.Charge{}, &providerError{status: resp.StatusCode, body: string(bytes.TrimSpace(b))}

@@ -227,7 +227,11 @@ func serviceFor(t *testing.T, dbURL, providerURL string) (*httptest.Server, *pgx
 	}
 	t.Cleanup(pool.Close)
 	useProvider(providerURL)
-	srv := httptest.NewServer(newMux(pool))
+	mux, err := newMux(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return srv, pool
 }

@@ -67,7 +67,11 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		w.WriteHeader(http.StatusCreated)
 		_ = json.NewEncoder(w).Encode(resp)
 	})
-	idemH := idem.Handle(idem.NewHTTP(idem.NewStore(pool)), idem.Endpoint{Scope: "bench", Route: "POST /charges", Status: 201}, insert)
+	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	idemH := idem.Handle(engine, idem.Endpoint{Scope: "bench", Route: "POST /charges", Status: 201}, insert)
 	if r := do(idemH, "replayed", body1); r.status != http.StatusCreated {
 		b.Fatal(r.status)
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -100,7 +99,10 @@ func NewClient(base http.RoundTripper, cfg ClientConfig) *http.Client {
 // Each call is retried per cfg on transport errors and on the statuses
 // cfg.RetryStatus accepts, honouring Retry-After (delta-seconds or
 // HTTP-date). A request whose body cannot be replayed (a Body and no
-// GetBody) is sent once. When the request's context ends — during an
+// GetBody) is sent once. A retry that the context's deadline would come
+// before is not waited for: the last response (or the wrapped error) is
+// returned at once. The body of a response that is retried is closed
+// unread, so a server stalling it cannot hold the call. When the request's context ends — during an
 // attempt or a backoff — RoundTrip returns ctx.Err() itself, never a
 // response and never a wrapped error.
 func NewTransport(base http.RoundTripper, cfg ClientConfig) http.RoundTripper {
@@ -133,6 +135,15 @@ func DefaultRetryStatus(status int) bool {
 type transport struct {
 	base http.RoundTripper
 	cfg  ClientConfig
+}
+
+// CloseIdleConnections closes the base transport's idle connections, if it
+// has any to close, so http.Client.CloseIdleConnections reaches them (the
+// client only asks its own Transport).
+func (t *transport) CloseIdleConnections() {
+	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
 }
 
 // unsafeMethod reports whether method may change state at the server, so a retry
@@ -201,9 +212,18 @@ func (t *transport) RoundTrip(req *http.Request) (*http.Response, error) {
 				}
 				wait = max(wait, after)
 			}
-			// Drain a little so the connection can be reused, then let go.
-			_, _ = io.CopyN(io.Discard, resp.Body, 64<<10)
+			if deadlineBefore(ctx, wait) {
+				// The caller's deadline ends the wait before the retry:
+				// the server's answer now, not a context error later.
+				return resp, nil
+			}
+			// Closed unread: draining it could block for as long as the
+			// server stalls its body (no timeout covers a body), and a
+			// retry is worth a new connection.
 			resp.Body.Close()
+		}
+		if err != nil && deadlineBefore(ctx, wait) {
+			return nil, fmt.Errorf("idem: %s %s: attempt %d of %d (not retried: the context's deadline comes first): %w", req.Method, req.URL.Redacted(), attempt, t.cfg.Retry.MaxAttempts, err)
 		}
 		if err := sleep(ctx, wait); err != nil {
 			return nil, err
@@ -225,6 +245,13 @@ func (t *transport) callKey(ctx context.Context) (string, error) {
 	return k.Derive(name), nil
 }
 
+// deadlineBefore reports whether ctx's deadline comes before a wait of d
+// would end, so the attempt after it could never be made.
+func deadlineBefore(ctx context.Context, d time.Duration) bool {
+	dl, ok := ctx.Deadline()
+	return ok && time.Until(dl) < d
+}
+
 // closeBody closes a request body RoundTrip will not send, as the
 // RoundTripper contract requires.
 func closeBody(req *http.Request) {
@@ -240,14 +267,16 @@ func retryAfter(v string, now time.Time) (time.Duration, bool) {
 	if v == "" {
 		return 0, false
 	}
+	const maxSecs = int64(365 * 24 * time.Hour / time.Second) // no Duration overflow
 	if secs, err := strconv.ParseInt(v, 10, 64); err == nil {
 		if secs < 0 {
 			return 0, false
 		}
-		if secs > int64(365*24*time.Hour/time.Second) {
-			secs = int64(365 * 24 * time.Hour / time.Second) // no overflow
-		}
-		return time.Duration(secs) * time.Second, true
+		return time.Duration(min(secs, maxSecs)) * time.Second, true
+	} else if errors.Is(err, strconv.ErrRange) && v[0] != '-' {
+		// More seconds than an int64 holds is still "much later", not
+		// garbage to ignore: ignoring it would retry at once.
+		return time.Duration(maxSecs) * time.Second, true
 	}
 	at, err := http.ParseTime(v)
 	if err != nil {

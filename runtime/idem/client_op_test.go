@@ -109,7 +109,10 @@ func TestClientKeyFromConsumedEvent(t *testing.T) {
 			}
 			return nil
 		})
-	p := &idem.Processor{Pool: e.pool, Retry: idem.RetryPolicy{Initial: 1, Max: 1}}
+	p, err := idem.NewProcessor(idem.NewStore(e.pool), idem.ProcessorConfig{Retry: idem.RetryPolicy{Initial: 1, Max: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	rec := func(id string) *idem.Record {
 		return &idem.Record{Topic: "orders", Value: []byte(`{"order":"o1","amount":5}`),
 			Headers: []idem.RecordHeader{{Key: idem.EventIDHeader, Value: []byte(id)}}}

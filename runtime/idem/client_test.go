@@ -469,6 +469,8 @@ func TestRetryAfterParse(t *testing.T) {
 		{now.Add(-time.Hour).Format(http.TimeFormat), 0, true},
 		{"Fri, 02 Jan 2026 03:06:05 GMT", 2 * time.Minute, true},
 		{strconv.FormatInt(1<<62, 10), 365 * 24 * time.Hour, true},
+		{"99999999999999999999", 365 * 24 * time.Hour, true}, // beyond int64: much later
+		{"-99999999999999999999", 0, false},
 	} {
 		got, ok := retryAfter(c.in, now)
 		if got != c.want || ok != c.ok {

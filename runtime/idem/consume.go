@@ -11,9 +11,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
 // EventIDHeader is the record header that carries an event's id. The outbox
@@ -26,9 +29,12 @@ type Record struct {
 	Topic     string
 	Partition int32
 	Offset    int64
-	Key       []byte
-	Value     []byte
-	Headers   []RecordHeader
+	// Key and Value are nil for a null key or value, and empty (not nil) for
+	// an empty one; dead letters keep the difference.
+	Key   []byte
+	Value []byte
+	// Headers in the order the broker gave them; a name may repeat.
+	Headers []RecordHeader
 }
 
 // RecordHeader is one record header.
@@ -54,14 +60,15 @@ type EventSpec[T any] struct {
 	Topic   string
 	Context string
 	// EventID returns the event's id from the decoded payload. Nil reads the
-	// EventIDHeader record header instead.
+	// EventIDHeader record header instead. A panic in it (a nil pointer id
+	// field) makes the record a dead letter, like an empty id.
 	EventID func(T) string
 	// Decode decodes a record value. Nil decodes JSON.
 	Decode func([]byte) (T, error)
 }
 
-// Consumer is a type-erased //idem:consume handler; generated code builds it
-// with Consume.
+// EventHandler is a type-erased //idem:consume handler; generated code builds
+// it with Consume.
 type EventHandler struct {
 	Topic   string
 	Context string
@@ -69,8 +76,8 @@ type EventHandler struct {
 	call    func(context.Context, pgx.Tx, any) error
 }
 
-// Consume returns the Consumer that decodes records into T and applies them
-// with fn, once per (spec.Context, event id).
+// Consume returns the EventHandler that decodes records into T and applies
+// them with fn, once per (spec.Context, event id).
 func Consume[T any](spec EventSpec[T], fn func(context.Context, pgx.Tx, T) error) EventHandler {
 	decode := spec.Decode
 	if decode == nil {
@@ -112,8 +119,8 @@ const (
 	// Duplicate: the context had applied this event id before; the handler
 	// did not run.
 	Duplicate
-	// DeadLettered: the record could not be decoded, or failed past the retry
-	// budget; it is stored in idem_dead_letters.
+	// DeadLettered: the record could not be decoded, had no event id, or
+	// failed past the retry budget; it is stored in idem_dead_letters.
 	DeadLettered
 )
 
@@ -130,7 +137,8 @@ func (o Outcome) String() string {
 }
 
 // RetryPolicy is how a failing handler is retried before its record is
-// dead-lettered.
+// dead-lettered. Only the record's own failures count against it; see
+// ProcessorConfig.Outage for storage failures.
 type RetryPolicy struct {
 	// MaxAttempts is how many times the handler runs before the record is
 	// dead-lettered (default 5).
@@ -144,153 +152,351 @@ func (p RetryPolicy) withDefaults() RetryPolicy {
 	if p.MaxAttempts <= 0 {
 		p.MaxAttempts = 5
 	}
-	if p.Initial <= 0 {
-		p.Initial = 100 * time.Millisecond
-	}
-	if p.Max <= 0 {
-		p.Max = 5 * time.Second
-	}
+	p.Initial, p.Max = Backoff{p.Initial, p.Max}.withDefaults().values()
 	return p
 }
 
-// backoff returns the wait before attempt n+1 (n >= 1): Initial·2^(n-1),
-// capped at Max, between half and all of it.
-func (p RetryPolicy) backoff(n int) time.Duration {
-	d := p.Initial << min(n-1, 30)
-	if d > p.Max || d <= 0 {
-		d = p.Max
+// backoff returns the wait before attempt n+1 (n >= 1).
+func (p RetryPolicy) backoff(n int) time.Duration { return Backoff{p.Initial, p.Max}.wait(n) }
+
+// Backoff is a capped exponential backoff with jitter.
+type Backoff struct {
+	// Initial is the first wait (default 100ms); it doubles up to Max
+	// (default 5s). Each wait is drawn between half and all of its value.
+	Initial, Max time.Duration
+}
+
+func (b Backoff) withDefaults() Backoff {
+	if b.Initial <= 0 {
+		b.Initial = 100 * time.Millisecond
+	}
+	if b.Max <= 0 {
+		b.Max = 5 * time.Second
+	}
+	if b.Max < b.Initial {
+		b.Max = b.Initial
+	}
+	return b
+}
+
+func (b Backoff) values() (time.Duration, time.Duration) { return b.Initial, b.Max }
+
+// wait returns the n-th wait (n >= 1): Initial·2^(n-1), capped at Max,
+// between half and all of it. Jitter keeps replicas that failed together from
+// retrying in lockstep against a database that is coming back.
+func (b Backoff) wait(n int) time.Duration {
+	d := b.Initial << min(max(n-1, 0), 30)
+	if d > b.Max || d <= 0 {
+		d = b.Max
 	}
 	return d/2 + rand.N(d/2+1)
 }
 
-// Processor applies records to consumers: per record, in one transaction,
-// the processed-event row and the handler's writes. It is broker-agnostic;
-// an engine such as runtime/kafka commits a record's offset only after
-// Process returned nil for it.
-type Processor struct {
-	Pool   *pgxpool.Pool
-	Retry  RetryPolicy
+func (b Backoff) validate(what string) error {
+	if b.Initial < 0 || b.Max < 0 {
+		return fmt.Errorf("%s: negative backoff", what)
+	}
+	if b.Initial > 0 && b.Max > 0 && b.Max < b.Initial {
+		return fmt.Errorf("%s: Max %v is below Initial %v", what, b.Max, b.Initial)
+	}
+	return nil
+}
+
+// ProcessorConfig configures a Processor.
+type ProcessorConfig struct {
+	// Retry is the budget of a record's own failures (handler error, panic)
+	// before it is dead-lettered.
+	Retry RetryPolicy
+	// Outage is the wait between tries while PostgreSQL is unavailable
+	// (BEGIN, the dedupe insert, COMMIT or a dead-letter write failing, or
+	// the handler's own statements failing on a dead connection, a
+	// serialization failure or a deadlock). Such failures use no attempt of
+	// the record: the processor waits until the database answers or the
+	// context ends. Default 100ms doubling to 5s.
+	Outage Backoff
+	// StorageTimeout bounds each of the processor's own statements (BEGIN,
+	// the dedupe insert, COMMIT, dead-letter writes), so a database that
+	// keeps the connection open but never answers is noticed and waited out
+	// like one that refuses connections. The handler's own statements are
+	// bounded by the context (revoke, shutdown). Default 10s.
+	StorageTimeout time.Duration
+	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the processor's metrics and
+	// one span per record (or batch); nil: the global providers. See the
+	// README's "Metrics and traces".
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
 
-func (p *Processor) logger() *slog.Logger {
-	if p.Logger != nil {
-		return p.Logger
+// Processor applies records to event handlers: per record, in one
+// transaction, the processed-event row and the handler's writes. It is
+// broker-agnostic; an engine such as runtime/kafka commits a record's offset
+// only after Process returned nil for it. Build it with NewProcessor.
+type Processor struct {
+	store *Store
+	pool  *pgxpool.Pool
+	cfg   ProcessorConfig
+	log   *slog.Logger
+	tel   *telemetry.Telemetry
+}
+
+// NewProcessor returns a Processor on store. It validates cfg and keeps a
+// copy, so later changes to cfg have no effect.
+func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
+	if store == nil {
+		return nil, errors.New("idem: NewProcessor: nil Store")
 	}
-	return slog.Default()
+	if cfg.Retry.MaxAttempts < 0 {
+		return nil, fmt.Errorf("idem: NewProcessor: Retry.MaxAttempts %d is negative", cfg.Retry.MaxAttempts)
+	}
+	if err := (Backoff{cfg.Retry.Initial, cfg.Retry.Max}).validate("idem: NewProcessor: Retry"); err != nil {
+		return nil, err
+	}
+	if err := cfg.Outage.validate("idem: NewProcessor: Outage"); err != nil {
+		return nil, err
+	}
+	if cfg.StorageTimeout < 0 {
+		return nil, fmt.Errorf("idem: NewProcessor: StorageTimeout %v is negative", cfg.StorageTimeout)
+	}
+	cfg.Retry = cfg.Retry.withDefaults()
+	cfg.Outage = cfg.Outage.withDefaults()
+	if cfg.StorageTimeout == 0 {
+		cfg.StorageTimeout = 10 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	tel := telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
+	cfg.MeterProvider, cfg.TracerProvider = nil, nil // kept in tel
+	return &Processor{store: store, pool: store.pool, cfg: cfg, log: cfg.Logger, tel: tel}, nil
 }
 
-// Process applies rec to c. It returns nil once the record is done — applied,
+// Process applies rec to h. It returns nil once the record is done — applied,
 // a duplicate, or dead-lettered — and its offset may be committed. It returns
-// the context's error, and commits nothing, when ctx is cancelled: shutdown is
-// not a handler failure, and the record will be delivered again.
-func (p *Processor) Process(ctx context.Context, c *EventHandler, rec *Record) (Outcome, error) {
-	ev, id, err := c.decode(rec)
+// the context's error, and commits nothing, when ctx is cancelled: shutdown or
+// a rebalance is not a record failure, and the record will be delivered again.
+//
+// The record's own failures (undecodable, no event id, a handler error, a
+// panic in the handler or the id accessor) use its RetryPolicy and end as a
+// dead letter. Storage failures use none of it: Process waits them out
+// (ProcessorConfig.Outage) for as long as ctx allows.
+func (p *Processor) Process(ctx context.Context, h *EventHandler, rec *Record) (Outcome, error) {
+	ctx, done := p.tel.RecordStart(ctx, h.Context, rec.Topic, rec.Partition, rec.Offset)
+	o, err := p.process(ctx, h, rec, 0)
+	done(outcomeName(o, err), err)
+	return o, err
+}
+
+// outcomeName is the outcome attribute of a finished record: its Outcome, or
+// "cancelled" when the context ended first (it will be delivered again).
+func outcomeName(o Outcome, err error) string {
 	if err != nil {
-		return p.deadLetter(ctx, c, rec, 1, err)
+		return "cancelled"
 	}
-	retry := p.Retry.withDefaults()
-	for attempt := 1; ; attempt++ {
-		outcome, err := p.applyOnce(ctx, c, rec, ev, id)
+	return o.String()
+}
+
+// process is Process; replayID, when not 0, is the dead letter being replayed
+// (see ReplayDeadLetter): it is marked replayed in the applying transaction,
+// and a failure updates it instead of adding a new dead letter.
+func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, replayID int64) (Outcome, error) {
+	ev, id, err := safeDecode(h, rec)
+	if err != nil {
+		return p.deadLetter(ctx, h, rec, replayID, 1, err)
+	}
+	attempt, outage := 0, 0
+	for {
+		outcome, err := p.applyOnce(ctx, h, rec, ev, id, replayID)
 		if err == nil {
 			return outcome, nil
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return 0, ctxErr
 		}
-		if attempt >= retry.MaxAttempts {
-			return p.deadLetter(ctx, c, rec, attempt, err)
+		if errors.Is(err, ErrDeadLetterReplayed) {
+			return 0, err
 		}
-		p.logger().WarnContext(ctx, "handler failed; retrying", "context", c.Context, "topic", rec.Topic,
-			"partition", rec.Partition, "offset", rec.Offset, "attempt", attempt, "err", err)
-		if err := sleep(ctx, retry.backoff(attempt)); err != nil {
+		var wait time.Duration
+		if p.isOutage(err) {
+			outage++
+			wait = p.cfg.Outage.wait(outage)
+			p.tel.StorageWait(ctx, h.Context)
+			p.log.WarnContext(ctx, "storage unavailable; waiting, no attempt used", logRecord(h, rec,
+				"outage_tries", outage, "wait", wait, "err", err)...)
+		} else {
+			outage = 0
+			attempt++
+			if attempt >= p.cfg.Retry.MaxAttempts {
+				return p.deadLetter(ctx, h, rec, replayID, attempt, err)
+			}
+			wait = p.cfg.Retry.backoff(attempt)
+			p.tel.RecordRetried(ctx, h.Context, rec.Topic)
+			p.log.WarnContext(ctx, "handler failed; retrying", logRecord(h, rec, "attempt", attempt, "err", err)...)
+		}
+		p.tel.ConsumerBackoff(ctx, h.Context, wait)
+		err = sleep(ctx, wait)
+		p.tel.ConsumerBackoff(ctx, h.Context, 0)
+		if err != nil {
 			return 0, err
 		}
 	}
 }
 
-// applyOnce is one attempt: BEGIN; insert the processed-event row (a
-// conflict means a duplicate: stop); run the handler; COMMIT.
-func (p *Processor) applyOnce(ctx context.Context, c *EventHandler, rec *Record, ev any, id string) (Outcome, error) {
-	tx, err := p.Pool.Begin(ctx)
+// storageCtx bounds one of the processor's own statements.
+func (p *Processor) storageCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, p.cfg.StorageTimeout)
+}
+
+// applyOnce is one attempt: BEGIN; (when replaying, mark the dead letter
+// replayed); insert the processed-event row (a conflict means a duplicate);
+// run the handler; COMMIT. Errors of the processor's own statements are
+// *storageError; the handler's are returned as they are.
+func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record, ev any, id string, replayID int64) (Outcome, error) {
+	sctx, cancel := p.storageCtx(ctx)
+	tx, err := p.pool.Begin(sctx)
+	cancel()
 	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
+		return 0, &storageError{op: "begin", err: err}
 	}
 	defer rollback(ctx, tx)
-	n, err := db.New(tx).InsertProcessedEvent(ctx, db.InsertProcessedEventParams{
-		Context: c.Context, EventID: id, Topic: rec.Topic, Kpartition: rec.Partition, Koffset: rec.Offset,
+	q := db.New(tx)
+	if replayID != 0 {
+		sctx, cancel := p.storageCtx(ctx)
+		n, err := q.MarkDeadLetterReplayed(sctx, replayID)
+		cancel()
+		if err != nil {
+			return 0, &storageError{op: "mark dead letter replayed", err: err}
+		}
+		if n == 0 {
+			return 0, ErrDeadLetterReplayed
+		}
+	}
+	sctx, cancel = p.storageCtx(ctx)
+	n, err := q.InsertProcessedEvent(sctx, db.InsertProcessedEventParams{
+		Context: h.Context, EventID: id, Topic: rec.Topic, Kpartition: rec.Partition, Koffset: rec.Offset,
 	})
+	cancel()
 	if err != nil {
-		return 0, fmt.Errorf("record processed event: %w", err)
+		return 0, &storageError{op: "record processed event", err: err}
 	}
-	if n == 0 {
-		return Duplicate, nil
+	outcome := Duplicate
+	if n == 1 {
+		if err := safeCall(eventContext(ctx, h, id), h, tx, ev); err != nil {
+			return 0, handlerFailure(tx, err)
+		}
+		outcome = Applied
+		crash.Point(ctx, "consume.after-call")
+	} else if replayID == 0 {
+		return Duplicate, nil // nothing written: no need to commit
 	}
-	if err := c.call(eventContext(ctx, c, id), tx, ev); err != nil {
-		return 0, err
-	}
-	crash.Point(ctx, "consume.after-call")
 	if err := ctx.Err(); err != nil {
 		return 0, err // never commit a cancelled operation, even if the handler ignored it
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return 0, fmt.Errorf("commit: %w", err)
+	if err := p.commit(ctx, tx); err != nil {
+		return 0, err
 	}
-	return Applied, nil
+	return outcome, nil
+}
+
+// commitGrace is how long a COMMIT already sent may still take after the
+// context is cancelled.
+const commitGrace = time.Second
+
+// commit commits tx. Once the decision to commit is taken, a cancellation
+// (shutdown, a rebalance waiting) does not interrupt it at once: cancelling
+// a COMMIT in flight leaves its outcome unknown to us (it may have committed
+// on the server), which costs a redelivery and reports an applied record as a
+// duplicate. A healthy database answers well within commitGrace; one that
+// does not (blackholed) must not hold a shutdown for StorageTimeout, so the
+// COMMIT is abandoned commitGrace after the cancellation — safe either way,
+// the offset is not marked and a redelivery is deduplicated.
+func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.StorageTimeout)
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(commitGrace, cancel) })
+	defer stop()
+	if err := tx.Commit(cctx); err != nil {
+		return &storageError{op: "commit", err: err}
+	}
+	return nil
 }
 
 // ProcessBatch applies records of one partition, in order, in a single
 // transaction with one multi-row processed-event insert. If anything in the
 // batch fails it rolls back and falls back to Process record by record, so the
-// failure policy (retry, dead letter) is the same as in per-record mode. Like
-// Process, it returns nil once every record is done, and the context's error
-// if cancelled.
-func (p *Processor) ProcessBatch(ctx context.Context, c *EventHandler, recs []*Record) ([]Outcome, error) {
+// failure policy (retry budget, dead letter, waiting out storage outages) is
+// the same as in per-record mode. Like Process, it returns nil once every
+// record is done, and the context's error if cancelled; then the outcomes of
+// the records done so far are returned (a prefix), so the caller can mark
+// them.
+func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*Record) ([]Outcome, error) {
 	if len(recs) == 1 {
-		o, err := p.Process(ctx, c, recs[0])
-		return []Outcome{o}, err
+		o, err := p.Process(ctx, h, recs[0])
+		if err != nil {
+			return nil, err
+		}
+		return []Outcome{o}, nil
 	}
-	outcomes, err := p.applyBatch(ctx, c, recs)
+	bctx, done := p.tel.BatchStart(ctx, h.Context, recs[0].Topic, recs[0].Partition, recs[0].Offset, len(recs))
+	outcomes, err := p.applyBatch(bctx, h, recs)
 	if err == nil {
+		done(outcomeNames(outcomes), nil)
 		return outcomes, nil
 	}
+	done(nil, err) // the records are counted one by one below
 	if ctxErr := ctx.Err(); ctxErr != nil {
 		return nil, ctxErr
 	}
-	p.logger().WarnContext(ctx, "batch failed; applying its records one by one", "context", c.Context,
-		"topic", recs[0].Topic, "partition", recs[0].Partition, "records", len(recs), "err", err)
-	outcomes = make([]Outcome, len(recs))
-	for i, rec := range recs {
-		if outcomes[i], err = p.Process(ctx, c, rec); err != nil {
-			return nil, err
+	p.log.WarnContext(ctx, "batch failed; applying its records one by one", "context", h.Context,
+		"topic", recs[0].Topic, "partition", recs[0].Partition, "offset", recs[0].Offset,
+		"records", len(recs), "err", err)
+	outcomes = make([]Outcome, 0, len(recs))
+	for _, rec := range recs {
+		o, err := p.Process(ctx, h, rec)
+		if err != nil {
+			return outcomes, err
 		}
+		outcomes = append(outcomes, o)
 	}
 	return outcomes, nil
 }
 
+func outcomeNames(os []Outcome) []string {
+	names := make([]string, len(os))
+	for i, o := range os {
+		names[i] = o.String()
+	}
+	return names
+}
+
 var errBatchNeedsFallback = errors.New("batch has an undecodable record")
 
-func (p *Processor) applyBatch(ctx context.Context, c *EventHandler, recs []*Record) ([]Outcome, error) {
+func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Record) ([]Outcome, error) {
 	events := make([]any, len(recs))
 	ids := make([]string, len(recs))
 	offsets := make([]int64, len(recs))
 	for i, rec := range recs {
-		ev, id, err := c.decode(rec)
+		ev, id, err := safeDecode(h, rec)
 		if err != nil {
 			return nil, errBatchNeedsFallback
 		}
 		events[i], ids[i], offsets[i] = ev, id, rec.Offset
 	}
-	tx, err := p.Pool.Begin(ctx)
+	sctx, cancel := p.storageCtx(ctx)
+	tx, err := p.pool.Begin(sctx)
+	cancel()
 	if err != nil {
-		return nil, fmt.Errorf("begin: %w", err)
+		return nil, &storageError{op: "begin", err: err}
 	}
 	defer rollback(ctx, tx)
-	fresh, err := db.New(tx).InsertProcessedEvents(ctx, db.InsertProcessedEventsParams{
-		Context: c.Context, EventIds: ids, Topic: recs[0].Topic, Kpartition: recs[0].Partition, Koffsets: offsets,
+	sctx, cancel = p.storageCtx(ctx)
+	fresh, err := db.New(tx).InsertProcessedEvents(sctx, db.InsertProcessedEventsParams{
+		Context: h.Context, EventIds: ids, Topic: recs[0].Topic, Kpartition: recs[0].Partition, Koffsets: offsets,
 	})
+	cancel()
 	if err != nil {
-		return nil, fmt.Errorf("record processed events: %w", err)
+		return nil, &storageError{op: "record processed events", err: err}
 	}
 	isNew := make(map[string]bool, len(fresh))
 	for _, id := range fresh {
@@ -305,8 +511,8 @@ func (p *Processor) applyBatch(ctx context.Context, c *EventHandler, recs []*Rec
 			continue
 		}
 		delete(isNew, ids[i])
-		if err := c.call(eventContext(ctx, c, ids[i]), tx, events[i]); err != nil {
-			return nil, err
+		if err := safeCall(eventContext(ctx, h, ids[i]), h, tx, events[i]); err != nil {
+			return nil, handlerFailure(tx, err)
 		}
 		outcomes[i] = Applied
 	}
@@ -314,8 +520,8 @@ func (p *Processor) applyBatch(ctx context.Context, c *EventHandler, recs []*Rec
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return nil, fmt.Errorf("commit: %w", err)
+	if err := p.commit(ctx, tx); err != nil {
+		return nil, err
 	}
 	return outcomes, nil
 }
@@ -323,38 +529,14 @@ func (p *Processor) applyBatch(ctx context.Context, c *EventHandler, recs []*Rec
 // eventContext makes the event's identity available to the handler through
 // KeyFromContext, as Key{Scope: context, Key: event id}, so that downstream
 // calls derive their idempotency keys from it.
-func eventContext(ctx context.Context, c *EventHandler, id string) context.Context {
-	return context.WithValue(ctx, keyCtx{}, Key{Scope: c.Context, Key: id})
+func eventContext(ctx context.Context, h *EventHandler, id string) context.Context {
+	return context.WithValue(ctx, keyCtx{}, Key{Scope: h.Context, Key: id})
 }
 
-// deadLetter stores rec in idem_dead_letters. The write is retried until it
-// succeeds or ctx is cancelled: a record is never dropped, and the offset
-// moves on only after the dead letter committed.
-func (p *Processor) deadLetter(ctx context.Context, c *EventHandler, rec *Record, attempts int, cause error) (Outcome, error) {
-	headers := map[string]string{}
-	for _, h := range rec.Headers {
-		headers[h.Key] = string(h.Value)
-	}
-	hdrs, _ := json.Marshal(headers)
-	p.logger().ErrorContext(ctx, "dead-lettering record", "context", c.Context, "topic", rec.Topic,
-		"partition", rec.Partition, "offset", rec.Offset, "attempts", attempts, "err", cause)
-	retry := p.Retry.withDefaults()
-	for n := 1; ; n++ {
-		err := db.New(p.Pool).InsertDeadLetter(ctx, db.InsertDeadLetterParams{
-			Context: c.Context, Topic: rec.Topic, Kpartition: rec.Partition, Koffset: rec.Offset,
-			RecordKey: rec.Key, Value: rec.Value, Headers: hdrs, Attempts: int32(attempts), LastError: cause.Error(),
-		})
-		if err == nil {
-			return DeadLettered, nil
-		}
-		if ctxErr := ctx.Err(); ctxErr != nil {
-			return 0, ctxErr
-		}
-		p.logger().ErrorContext(ctx, "storing dead letter failed; retrying", "err", err)
-		if err := sleep(ctx, retry.backoff(n)); err != nil {
-			return 0, err
-		}
-	}
+// logRecord returns the attributes every consumer log line carries, then
+// more.
+func logRecord(h *EventHandler, rec *Record, more ...any) []any {
+	return append([]any{"context", h.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset}, more...)
 }
 
 // sleep waits d or until ctx is done, returning ctx's error then.

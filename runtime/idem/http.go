@@ -9,85 +9,224 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"mime"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
-// Defaults for Endpoint and HTTP fields left zero.
+// Defaults for Endpoint and HTTPConfig fields left zero.
 const (
 	DefaultKeyHeader    = "Idempotency-Key"
 	DefaultTTL          = 24 * time.Hour
 	DefaultWait         = 5 * time.Second
 	DefaultMaxBodyBytes = 1 << 20
+	// DefaultConnCheckInterval is how often PostgreSQL checks, during a
+	// statement, that the process holding a key is still connected.
+	DefaultConnCheckInterval = time.Second
 	// MaxKeyLength is the longest Idempotency-Key accepted, in bytes.
 	MaxKeyLength = 255
-	// NoWait as Endpoint.Wait answers 409 at once when the same key is in
-	// flight, instead of waiting for it to finish and replaying its response.
-	NoWait time.Duration = -1
 
 	rollbackTimeout = 5 * time.Second
+	// A duplicate of a key in flight in another process polls for it, never
+	// holding a connection between polls: from pollMin doubling to pollMax.
+	pollMin = 10 * time.Millisecond
+	pollMax = 200 * time.Millisecond
 )
 
-// Endpoint describes one //idem:http operation. Generated code fills every
-// field from the directive; zero fields take the defaults above.
+// DefaultReplayHeaders are the response headers stored and replayed besides
+// Content-Type when HTTPConfig.ReplayHeaders is empty.
+func DefaultReplayHeaders() []string { return []string{"Location"} }
+
+// Endpoint describes one //idem:http operation. Generated code fills the
+// fields the directive sets; zero fields mean the documented defaults.
 type Endpoint struct {
 	// Scope namespaces keys; generated code uses the function's qualified
 	// name, so two operations never share a key.
 	Scope string
 	// Route is "METHOD /pattern" as given to http.ServeMux; the method is
-	// enforced (405 otherwise). Empty accepts any method.
+	// enforced (405 otherwise). Empty, or a pattern without a method,
+	// accepts any method.
 	Route string
-	// Status is the status code of a successful response (default 200).
+	// Status is the status code of a successful response (0: 200).
 	Status int
-	// TTL is how long a completed key is replayed (default 24h). After it a
-	// key counts as new.
+	// TTL is how long a completed key is replayed (0: 24h). After it a key
+	// counts as new.
 	TTL time.Duration
-	// KeyHeader names the request header carrying the key (default
+	// KeyHeader names the request header carrying the key (empty:
 	// Idempotency-Key).
 	KeyHeader string
 	// KeyOptional lets a request without the header run, in a transaction,
 	// without idempotency. By default a missing key is a 400.
 	KeyOptional bool
-	// Wait bounds how long a request waits for an in-flight request with the
-	// same key before answering 409 with Retry-After; when the first finishes
-	// in time the waiter replays its response. Default 5s; NoWait answers 409
-	// at once.
+	// Wait bounds the whole wait before the function runs (0: 5s): for a
+	// database connection, for a lock, and for a request in flight with the
+	// same key. A duplicate whose first request finishes in time replays its
+	// response; one still in flight after Wait is a 409 with Retry-After; a
+	// connection or lock not had in time is a 503 with Retry-After.
 	Wait time.Duration
+	// NoWait answers 409 at once when the same key is in flight, instead of
+	// waiting for it. Connection and lock waits are still bounded by Wait.
+	NoWait bool
 }
 
-// HTTP serves //idem:http endpoints on a Store. Configure it before the first
-// request; it is safe for concurrent use afterwards.
-type HTTP struct {
-	// Store holds the keys and runs the transactions.
-	Store *Store
-	// Principal returns who is calling, so keys (and stored responses) are
-	// scoped per tenant: one principal can never replay another's response.
-	// An error is answered with its *Error status, or 401. Nil means a single
-	// principal "".
+// normalize validates ep and fills its defaults.
+func (ep Endpoint) normalize() (Endpoint, error) {
+	switch {
+	case ep.Status == 0:
+		ep.Status = http.StatusOK
+	case ep.Status < 200 || ep.Status > 299:
+		return ep, fmt.Errorf("status %d is not a 2xx", ep.Status)
+	}
+	switch {
+	case ep.TTL == 0:
+		ep.TTL = DefaultTTL
+	case ep.TTL < 0:
+		return ep, fmt.Errorf("negative TTL %v", ep.TTL)
+	}
+	if ep.KeyHeader == "" {
+		ep.KeyHeader = DefaultKeyHeader
+	}
+	switch {
+	case ep.Wait == 0:
+		ep.Wait = DefaultWait
+	case ep.Wait < 0:
+		return ep, fmt.Errorf("negative Wait %v (set NoWait to answer 409 at once)", ep.Wait)
+	}
+	return ep, nil
+}
+
+// method is the method ep.Route enforces, or "".
+func (ep Endpoint) method() string {
+	method, _, found := strings.Cut(ep.Route, " ")
+	if !found || strings.HasPrefix(method, "/") {
+		return ""
+	}
+	return method
+}
+
+// HTTPConfig configures the HTTP engine shared by all endpoints. NewHTTP
+// validates and copies it; zero fields mean the documented defaults.
+type HTTPConfig struct {
+	// Principal returns who is calling. It runs for every request, with a
+	// key or without, before the body is read: an error is answered with its
+	// *Error status, or 401, and the function never runs. Keys and stored
+	// responses are scoped per principal: one tenant never sees another's
+	// response. The function reads it with PrincipalFromContext. Nil means a
+	// single principal "". See MaxPrincipalLength for how it is stored.
 	Principal func(*http.Request) (string, error)
-	// MaxBodyBytes limits the request body (default 1 MiB); larger is a 413.
+	// MaxBodyBytes limits the request body (0: 1 MiB); larger is a 413.
 	MaxBodyBytes int64
-	// ReplayHeaders lists the response headers that are stored and replayed
-	// besides Content-Type (default: Location). Set-Cookie is never stored.
+	// ReplayHeaders lists the response headers stored and replayed besides
+	// Content-Type (empty: DefaultReplayHeaders, i.e. Location). Set-Cookie
+	// is never stored.
 	ReplayHeaders []string
-	// TxOptions starts each transaction (default: read committed). Under
-	// repeatable read or serializable a duplicate racing a commit may get 409.
+	// NoReplayHeaders stores and replays no header but Content-Type.
+	NoReplayHeaders bool
+	// DisallowUnknownFields makes a request body with a field that Req does
+	// not have a 400. By default unknown fields are ignored. Either way
+	// field names match case-insensitively and a repeated field keeps its
+	// last value, as encoding/json does.
+	DisallowUnknownFields bool
+	// TxOptions starts each transaction (default: read committed).
 	TxOptions pgx.TxOptions
+	// ConnCheckInterval is PostgreSQL's client_connection_check_interval for
+	// the runtime's transactions (0: DefaultConnCheckInterval): a process
+	// killed while its backend runs a statement (or waits on a lock) frees
+	// its keys within this interval, not when the statement ends. A server
+	// that cannot check (not Linux) is detected on first use and logged.
+	ConnCheckInterval time.Duration
+	// NoConnCheck leaves client_connection_check_interval as the session has
+	// it.
+	NoConnCheck bool
 	// Logger receives failures that are not the client's fault (default
 	// slog.Default()).
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the engine's metrics and
+	// spans (nil: the global providers, no-ops until the service installs
+	// an OpenTelemetry SDK). See the README's "Metrics and traces".
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
 
-// NewHTTP returns an HTTP with default settings on store.
-func NewHTTP(store *Store) *HTTP { return &HTTP{Store: store} }
+// HTTP serves //idem:http endpoints on a Store. Create it with NewHTTP; it
+// is safe for concurrent use.
+type HTTP struct {
+	store     *Store
+	principal func(*http.Request) (string, error)
+	maxBody   int64
+	replay    []string // canonical names, Content-Type first
+	strict    bool
+	txOptions pgx.TxOptions
+	logger    *slog.Logger
+	// connCheckMS is the client_connection_check_interval in milliseconds,
+	// 0 when off (configured so, or refused by the server).
+	connCheckMS atomic.Int64
+	flights     flights
+	tel         *telemetry.Telemetry
+}
+
+// NewHTTP returns an HTTP engine on store configured by cfg, which it
+// validates and copies.
+func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
+	if store == nil {
+		return nil, errors.New("idem.NewHTTP: nil store")
+	}
+	h := &HTTP{store: store, principal: cfg.Principal, strict: cfg.DisallowUnknownFields, txOptions: cfg.TxOptions, logger: cfg.Logger}
+	switch {
+	case cfg.MaxBodyBytes == 0:
+		h.maxBody = DefaultMaxBodyBytes
+	case cfg.MaxBodyBytes < 0:
+		return nil, fmt.Errorf("idem.NewHTTP: negative MaxBodyBytes %d", cfg.MaxBodyBytes)
+	default:
+		h.maxBody = cfg.MaxBodyBytes
+	}
+	names := cfg.ReplayHeaders
+	switch {
+	case cfg.NoReplayHeaders && len(names) > 0:
+		return nil, errors.New("idem.NewHTTP: both NoReplayHeaders and ReplayHeaders are set")
+	case cfg.NoReplayHeaders:
+		names = nil
+	case len(names) == 0:
+		names = DefaultReplayHeaders()
+	}
+	h.replay = []string{"Content-Type"}
+	for _, name := range names {
+		name = http.CanonicalHeaderKey(name)
+		if name == "" || name == "Set-Cookie" || slices.Contains(h.replay, name) {
+			continue // Set-Cookie is never stored: a replay must not hand out a session
+		}
+		h.replay = append(h.replay, name)
+	}
+	switch {
+	case cfg.NoConnCheck:
+	case cfg.ConnCheckInterval < 0:
+		return nil, fmt.Errorf("idem.NewHTTP: negative ConnCheckInterval %v (set NoConnCheck to leave it off)", cfg.ConnCheckInterval)
+	case cfg.ConnCheckInterval == 0:
+		h.connCheckMS.Store(DefaultConnCheckInterval.Milliseconds())
+	default:
+		h.connCheckMS.Store(max(cfg.ConnCheckInterval.Milliseconds(), 1))
+	}
+	if h.logger == nil {
+		h.logger = slog.Default()
+	}
+	h.tel = telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
+	h.flights.waited = func(ctx context.Context) { h.tel.HTTPWaited(ctx, endpointName(ctx)) }
+	return h, nil
+}
 
 // Handle returns the http.Handler for one //idem:http function. For every
 // request with a new key it runs, in one transaction: claim the key, call fn
@@ -95,17 +234,30 @@ func NewHTTP(store *Store) *HTTP { return &HTTP{Store: store} }
 // with the same request replays the stored response without calling fn.
 //
 // Generated code calls it; call it by hand to wrap a function without the
-// generator.
+// generator. It panics, as http.ServeMux.Handle does, on a nil h or an
+// invalid ep: both are programming errors found at start-up.
 func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx, Req) (Resp, error)) http.Handler {
-	ep = ep.withDefaults()
-	method, _, _ := strings.Cut(ep.Route, " ")
-	if strings.HasPrefix(method, "/") { // a route with no method
-		method = ""
+	if h == nil {
+		panic("idem.Handle: nil *HTTP (create it with idem.NewHTTP)")
+	}
+	ep, err := ep.normalize()
+	if err != nil {
+		panic(fmt.Sprintf("idem.Handle %s: %v", ep.Scope, err))
+	}
+	method := ep.method()
+	name := ep.Route
+	if name == "" {
+		name = ep.Scope
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
+		r = r.WithContext(ctx)
+		w = &statusRecorder{ResponseWriter: w}
+		defer func() { done(w.(*statusRecorder).outcome()) }()
 		if method != "" && r.Method != method {
 			w.Header().Set("Allow", method)
-			writeProblem(w, &Error{Status: http.StatusMethodNotAllowed})
+			writeProblem(w, &Error{Status: http.StatusMethodNotAllowed,
+				Detail: fmt.Sprintf("%s does not accept %s; use %s", r.URL.Path, r.Method, method)})
 			return
 		}
 		in, perr := h.readRequest(w, r, ep)
@@ -114,39 +266,68 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 			return
 		}
 		var req Req
-		if perr := decodeJSON(in.body, &req); perr != nil {
+		if perr := decodeJSON(in.body, &req, h.strict); perr != nil {
 			writeProblem(w, perr)
 			return
 		}
 		call := func(ctx context.Context, tx pgx.Tx) (any, error) { return fn(ctx, tx, req) }
 		out, err := h.serve(r.Context(), ep, in, call)
 		if err != nil {
+			w.(*statusRecorder).err = err
 			writeProblem(w, h.problemFor(r, ep, err))
 			return
 		}
+		w.(*statusRecorder).replayed = out.replayed
 		out.write(w)
 	})
 }
 
-func (ep Endpoint) withDefaults() Endpoint {
-	if ep.Status == 0 {
-		ep.Status = http.StatusOK
+// endpointCtx carries the endpoint's name to instruments deep in serve.
+type endpointCtx struct{}
+
+func endpointName(ctx context.Context) string {
+	s, _ := ctx.Value(endpointCtx{}).(string)
+	return s
+}
+
+// statusRecorder remembers what Handle answered, for the outcome attribute:
+// "executed", "replayed", or the status code of a problem.
+type statusRecorder struct {
+	http.ResponseWriter
+	status   int
+	replayed bool
+	err      error
+}
+
+func (s *statusRecorder) WriteHeader(code int) {
+	if s.status == 0 {
+		s.status = code
 	}
-	if ep.TTL <= 0 {
-		ep.TTL = DefaultTTL
+	s.ResponseWriter.WriteHeader(code)
+}
+
+// Unwrap lets http.ResponseController reach the real writer.
+func (s *statusRecorder) Unwrap() http.ResponseWriter { return s.ResponseWriter }
+
+func (s *statusRecorder) outcome() (string, error) {
+	switch {
+	case s.replayed:
+		return "replayed", nil
+	case s.status == 0 || s.status < 300:
+		return "executed", nil
 	}
-	if ep.KeyHeader == "" {
-		ep.KeyHeader = DefaultKeyHeader
+	if s.status < 500 {
+		// The client's mistake: an outcome, not a server span error (as
+		// OpenTelemetry's HTTP conventions have it).
+		return strconv.Itoa(s.status), nil
 	}
-	if ep.Wait == 0 {
-		ep.Wait = DefaultWait
-	}
-	return ep
+	return strconv.Itoa(s.status), s.err
 }
 
 // request is what serve needs of an HTTP request, read and validated before
 // any database work, so that a bad request stores nothing.
 type request struct {
+	principal   string
 	key         *Key // nil: no key was sent and the endpoint allows that
 	fingerprint []byte
 	body        []byte
@@ -173,10 +354,22 @@ func (o *response) write(w http.ResponseWriter) {
 	_, _ = w.Write(o.body)
 }
 
-// readRequest validates the key, resolves the principal, reads the body under
-// the size limit and fingerprints the request.
+// readRequest resolves the principal (for every request: authentication
+// never depends on the key header), validates the key, reads the body under
+// the size limit, checks its media type and fingerprints the request.
 func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) (*request, *Error) {
 	in := &request{}
+	if h.principal != nil {
+		p, err := h.principal(r)
+		if err != nil {
+			var e *Error
+			if errors.As(err, &e) {
+				return nil, e
+			}
+			return nil, &Error{Status: http.StatusUnauthorized, Detail: err.Error(), Err: err}
+		}
+		in.principal = p
+	}
 	raw, present := r.Header[http.CanonicalHeaderKey(ep.KeyHeader)]
 	switch {
 	case !present && !ep.KeyOptional:
@@ -188,33 +381,21 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 			return nil, &Error{Status: http.StatusBadRequest, Title: "Malformed idempotency key",
 				Detail: fmt.Sprintf("%s: %v", ep.KeyHeader, err)}
 		}
-		principal := ""
-		if h.Principal != nil {
-			p, err := h.Principal(r)
-			if err != nil {
-				var e *Error
-				if errors.As(err, &e) {
-					return nil, e
-				}
-				return nil, &Error{Status: http.StatusUnauthorized, Detail: err.Error(), Err: err}
-			}
-			principal = p
-		}
-		in.key = &Key{Scope: ep.Scope, Principal: principal, Key: key}
+		in.key = &Key{Scope: ep.Scope, Principal: in.principal, Key: key}
 	}
 
-	limit := h.MaxBodyBytes
-	if limit <= 0 {
-		limit = DefaultMaxBodyBytes
-	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, h.maxBody))
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			return nil, &Error{Status: http.StatusRequestEntityTooLarge,
-				Detail: fmt.Sprintf("request body exceeds %d bytes", limit)}
+				Detail: fmt.Sprintf("request body exceeds %d bytes", h.maxBody)}
 		}
 		return nil, &Error{Status: http.StatusBadRequest, Detail: "reading request body: " + err.Error()}
+	}
+	if ct := r.Header.Get("Content-Type"); len(body) > 0 && ct != "" && !isJSON(ct) {
+		return nil, &Error{Status: http.StatusUnsupportedMediaType,
+			Detail: fmt.Sprintf("the body must be JSON (application/json), not %q", ct)}
 	}
 	in.body = body
 
@@ -227,33 +408,19 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 	return in, nil
 }
 
-// parseKey accepts the key as a bare token (as Stripe and most clients send
-// it) or as an RFC 8941 sf-string (as the IETF draft writes it).
-func parseKey(values []string) (string, error) {
-	if len(values) != 1 {
-		return "", errors.New("send exactly one key")
-	}
-	k := values[0]
-	if len(k) >= 2 && k[0] == '"' && k[len(k)-1] == '"' {
-		k = k[1 : len(k)-1]
-	}
-	switch {
-	case k == "":
-		return "", errors.New("key is empty")
-	case len(k) > MaxKeyLength:
-		return "", fmt.Errorf("key is %d bytes; at most %d are allowed", len(k), MaxKeyLength)
-	}
-	for i := 0; i < len(k); i++ {
-		if c := k[i]; c < 0x21 || c > 0x7e {
-			return "", fmt.Errorf("key has a byte 0x%02x at offset %d; only visible ASCII is allowed", c, i)
-		}
-	}
-	return k, nil
+// isJSON reports whether a Content-Type names JSON: application/json or a
+// +json structured syntax suffix, any parameters.
+func isJSON(contentType string) bool {
+	mt, _, err := mime.ParseMediaType(contentType)
+	return err == nil && (mt == "application/json" || strings.HasPrefix(mt, "application/") && strings.HasSuffix(mt, "+json"))
 }
 
 // decodeJSON decodes exactly one JSON value into v.
-func decodeJSON(body []byte, v any) *Error {
+func decodeJSON(body []byte, v any, strict bool) *Error {
 	dec := json.NewDecoder(bytes.NewReader(body))
+	if strict {
+		dec.DisallowUnknownFields()
+	}
 	if err := dec.Decode(v); err != nil {
 		return &Error{Status: http.StatusBadRequest, Title: "Invalid JSON body", Detail: err.Error()}
 	}
@@ -265,65 +432,185 @@ func decodeJSON(body []byte, v any) *Error {
 
 // Errors serve uses to pick the response; they never reach the client as text.
 var (
-	errInFlight      = errors.New("a request with this key is in flight")
-	errFingerprint   = errors.New("key reused with a different request")
+	// errInFlight: a request with the same key is being processed right now
+	// (409).
+	errInFlight = errors.New("a request with this key is in flight")
+	// errElsewhere: the key is in flight in another transaction (another
+	// process, or a request of this one that the local turn did not see);
+	// serve polls for it.
+	errElsewhere = errors.New("key in flight in another transaction")
+	// errRetryClaim: the claim lost a serialization race with a request
+	// that just finished; a new transaction will see its row.
+	errRetryClaim  = errors.New("claim must be retried")
+	errFingerprint = errors.New("key reused with a different request")
+	// errBusy: no connection, or a lock other than the key's, within the
+	// wait (503 with Retry-After).
+	errBusy          = errors.New("database busy")
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
 )
 
-// serve runs one operation. In order, in one transaction:
+// serve runs one operation. With a key, in one transaction:
 //
-//  1. claim the key (INSERT ... ON CONFLICT). A concurrent duplicate waits on
-//     our uncommitted index entry, bounded by ep.Wait;
+//  1. claim the key: take the key's advisory lock (the in-flight marker)
+//     and insert the row (INSERT ... ON CONFLICT), never waiting on another
+//     claim of the same key;
 //  2. if the key was already completed: replay it (or 422 on a different
 //     fingerprint), without calling the function;
 //  3. call the function with the transaction;
 //  4. store the response on the key row;
 //  5. commit.
 //
+// A duplicate of a key in flight holds no connection while it waits: in this
+// process it waits for its turn on the key (only one request per key at a
+// time uses the database), and while the key is in flight elsewhere it polls
+// with backoff, releasing its connection between polls. The whole wait
+// (turn, pool, locks, polls) is bounded by ep.Wait.
+//
 // Any failure before the commit rolls everything back: no side effect, no
 // stored key, and a retry runs the function again. A cancelled ctx is such a
 // failure: it is returned as is and nothing commits.
 func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
-	opts := h.TxOptions
-	if in.key != nil {
-		opts = db.BoundedBegin(opts, ep.Wait) // BEGIN and the claim's wait bound: one round trip
-	}
-	tx, err := h.Store.pool.BeginTx(ctx, opts)
-	if err != nil {
-		return nil, storageErr(ctx, "begin", err)
-	}
-	defer rollback(ctx, tx) // after Commit this is a no-op
-
-	if in.key != nil {
-		claimed, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
-			Scope: in.key.Scope, Principal: in.key.Principal, Key: in.key.Key,
-			Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(),
-		})
+	deadline := time.Now().Add(ep.Wait)
+	if in.key == nil {
+		tx, conn, err := h.begin(ctx, deadline, false)
 		if err != nil {
-			if isBusy(err) {
+			return nil, err
+		}
+		defer conn.Release()
+		defer rollback(ctx, tx) // after Commit this is a no-op
+		return h.run(ctx, ep, in, tx, call)
+	}
+	stored := in.key.storageKey()
+	release, err := h.flights.wait(ctx, stored, deadline, ep.NoWait)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	poll := pollMin
+	for polled := false; ; polled = true {
+		out, err := h.attempt(ctx, ep, in, stored, deadline, call)
+		switch {
+		case errors.Is(err, errElsewhere):
+			if ep.NoWait {
 				return nil, errInFlight
 			}
-			return nil, storageErr(ctx, "claim key", err)
+			if !polled {
+				h.tel.HTTPWaited(ctx, endpointName(ctx)) // in flight on another replica
+			}
+		case errors.Is(err, errRetryClaim):
+		case polled && errors.Is(err, errBusy) && !time.Now().Before(deadline):
+			// The wait ran out during a poll for a key in flight elsewhere.
+			return nil, errInFlight
+		default:
+			return out, err
 		}
-		if !claimed {
+		remaining := time.Until(deadline)
+		if remaining <= 0 {
+			if errors.Is(err, errElsewhere) {
+				return nil, errInFlight
+			}
+			return nil, fmt.Errorf("%w: claim kept conflicting: %w", errBusy, err)
+		}
+		t := time.NewTimer(min(poll, remaining))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+		poll = min(2*poll, pollMax)
+	}
+}
+
+// attempt is one claim transaction: it runs the function (claimed), replays
+// (a live row), or returns errElsewhere (in flight in another transaction).
+func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key, deadline time.Time, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
+	tx, conn, err := h.begin(ctx, deadline, true)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Release()
+	defer rollback(ctx, tx) // after Commit this is a no-op
+
+	claimed, found, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
+		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
+		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
+	})
+	if err != nil {
+		switch pgCode(err) {
+		case "55P03": // lock_timeout: not our key's lock, which is never waited on
+			return nil, fmt.Errorf("%w: claim waited for a table or row lock past the wait bound: %w", errBusy, err)
+		case "40001", "40P01":
+			return nil, errRetryClaim
+		}
+		return nil, storageErr(ctx, "claim key", err)
+	}
+	if !claimed {
+		if found && row.Live {
 			return replay(ctx, row, in)
 		}
-		crash.Point(ctx, "http.after-claim")
-		ctx = context.WithValue(ctx, keyCtx{}, *in.key)
+		return nil, errElsewhere
 	}
+	crash.Point(ctx, "http.after-claim")
+	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, call)
+}
 
+// begin acquires a connection within deadline and begins a transaction on
+// it; with claim, the transaction's lock_timeout is the time left until
+// deadline (restored by the claim batch). The caller releases conn after
+// ending tx.
+func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.Tx, *pgxpool.Conn, error) {
+	for {
+		actx, cancel := context.WithDeadline(ctx, deadline)
+		conn, err := h.store.pool.Acquire(actx)
+		cancel()
+		if err != nil {
+			if ctxErr := ctx.Err(); ctxErr != nil {
+				return nil, nil, ctxErr
+			}
+			if errors.Is(err, context.DeadlineExceeded) {
+				return nil, nil, fmt.Errorf("%w: no database connection free within the wait: %w", errBusy, err)
+			}
+			return nil, nil, storageErr(ctx, "acquire connection", err)
+		}
+		var lockTimeout time.Duration
+		if claim {
+			lockTimeout = max(time.Until(deadline), time.Millisecond)
+		}
+		check := h.connCheckMS.Load()
+		tx, err := conn.BeginTx(ctx, db.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		if err == nil {
+			return tx, conn, nil
+		}
+		conn.Release()
+		if check > 0 && connCheckRefused(err) && h.connCheckMS.CompareAndSwap(check, 0) {
+			h.logger.WarnContext(ctx, "PostgreSQL refuses client_connection_check_interval; a killed process frees its keys only when its statement ends",
+				"err", err)
+			continue
+		}
+		return nil, nil, storageErr(ctx, "begin", err)
+	}
+}
+
+// connCheckRefused reports a server that cannot set
+// client_connection_check_interval (a platform without the check, or a
+// server older than 14).
+func connCheckRefused(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "22023" || pgErr.Code == "42704") &&
+		strings.Contains(pgErr.Message, "client_connection_check_interval")
+}
+
+// run calls the function in tx, stores its response on the claimed key (if
+// any) and commits.
+func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = context.WithValue(ctx, headerCtx{}, header)
+	ctx = context.WithValue(ctx, principalCtx{}, in.principal)
 	result, err := call(ctx, tx)
 	if err != nil {
-		var e *Error
-		if !errors.As(err, &e) && tx.Conn().IsClosed() {
-			// The function failed because the database connection died under
-			// it: a storage failure (503, retry later), not a bug (500).
-			return nil, storageErr(ctx, "function's transaction", err)
-		}
-		return nil, err
+		return nil, classifyFunctionError(ctx, tx, err)
 	}
 	crash.Point(ctx, "http.after-call")
 	body, err := json.Marshal(result)
@@ -334,14 +621,20 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	out := &response{status: ep.Status, header: header, body: body}
 
 	if in.key != nil {
-		stored, err := json.Marshal(h.replayHeaders(header))
+		stored := in.key.storageKey()
+		headers, err := json.Marshal(h.replayHeaders(header))
 		if err != nil {
 			return nil, fmt.Errorf("%w: headers: %w", errEncodeFailure, err)
 		}
 		if _, err := db.New(tx).CompleteKey(ctx, db.CompleteKeyParams{
-			StatusCode: int32(out.status), Headers: stored, Body: body,
-			Scope: in.key.Scope, Principal: in.key.Principal, Key: in.key.Key,
+			StatusCode: int32(out.status), Headers: headers, Body: body,
+			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		}); err != nil {
+			if c := pgCode(err); strings.HasPrefix(c, "22") || c == "54000" {
+				// PostgreSQL refused a header the function set: its bug (500),
+				// not a storage failure to retry forever.
+				return nil, fmt.Errorf("store response headers: %w", err)
+			}
 			return nil, storageErr(ctx, "store response", err)
 		}
 	}
@@ -356,6 +649,45 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	}
 	crash.Point(ctx, "http.after-commit")
 	return out, nil
+}
+
+// classifyFunctionError maps an error of the wrapped function: an *Error is
+// the function's choice; a dead connection is a storage failure (503); a
+// value PostgreSQL refused to store (invalid text, a NUL, a number out of
+// range, an index row too large) came from the request, so it is the
+// client's (422); a lock or serialization conflict is transient (503 with
+// Retry-After). Anything else is the function's own failure (500).
+func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
+	var e *Error
+	if errors.As(err, &e) {
+		return err
+	}
+	if tx.Conn().IsClosed() {
+		// The function failed because the database connection died under
+		// it: a storage failure (503, retry later), not a bug (500).
+		return storageErr(ctx, "function's transaction", err)
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return err
+	}
+	switch {
+	case strings.HasPrefix(pgErr.Code, "22") || pgErr.Code == "54000":
+		return &Error{Status: http.StatusUnprocessableEntity, Title: "Value not storable",
+			Detail: "the request holds a value the database cannot store: " + pgErr.Message, Err: err}
+	case pgErr.Code == "40001" || pgErr.Code == "40P01" || pgErr.Code == "55P03":
+		return fmt.Errorf("%w: the function's statement conflicted with another transaction: %w", errBusy, err)
+	}
+	return err
+}
+
+// pgCode is the SQLSTATE of err, or "".
+func pgCode(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
 }
 
 // replay answers a request whose key is already completed, from the row the
@@ -374,14 +706,9 @@ func replay(ctx context.Context, row db.GetKeyRow, in *request) (*response, erro
 // replayHeaders is the stored subset of header: Content-Type and the
 // allow-list, never Set-Cookie.
 func (h *HTTP) replayHeaders(header http.Header) http.Header {
-	allow := h.ReplayHeaders
-	if allow == nil {
-		allow = []string{"Location"}
-	}
 	out := http.Header{}
-	for _, name := range append([]string{"Content-Type"}, allow...) {
-		name = http.CanonicalHeaderKey(name)
-		if v, ok := header[name]; ok && name != "Set-Cookie" {
+	for _, name := range h.replay {
+		if v, ok := header[name]; ok {
 			out[name] = v
 		}
 	}
@@ -393,6 +720,9 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	var e *Error
 	switch {
 	case errors.As(err, &e):
+		if e.Status >= 500 {
+			h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "status", e.Status, "err", err)
+		}
 		return e
 	case errors.Is(err, errInFlight):
 		return &Error{Status: http.StatusConflict, Title: "Request in flight", RetryAfter: time.Second,
@@ -400,24 +730,21 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	case errors.Is(err, errFingerprint):
 		return &Error{Status: http.StatusUnprocessableEntity, Title: "Idempotency key reused",
 			Detail: "this idempotency key was used with a different request"}
+	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
+		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
+		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
+			Detail: "the database was busy (no connection or a lock within the wait); nothing was done, retry later"}
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		// The client is gone or the server is shutting down; the transaction
 		// rolled back, so a retry is safe.
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "request cancelled; nothing was done", Err: err}
 	case errors.Is(err, errStorage):
-		h.logger().ErrorContext(r.Context(), "idempotency storage failed", "scope", ep.Scope, "err", err)
+		h.logger.ErrorContext(r.Context(), "idempotency storage failed", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "storage unavailable; nothing was done, retry later", Err: err, RetryAfter: time.Second}
 	default:
-		h.logger().ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "err", err)
+		h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusInternalServerError, Err: err}
 	}
-}
-
-func (h *HTTP) logger() *slog.Logger {
-	if h.Logger != nil {
-		return h.Logger
-	}
-	return slog.Default()
 }
 
 // storageErr marks err as a storage failure (503, fail closed), unless it is
@@ -427,12 +754,4 @@ func storageErr(ctx context.Context, doing string, err error) error {
 		return ctxErr
 	}
 	return fmt.Errorf("%w: %s: %w", errStorage, doing, err)
-}
-
-// isBusy reports a claim that gave up waiting for a concurrent holder of the
-// same key: lock_timeout, or a serialization failure under a stricter
-// isolation level.
-func isBusy(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "40001")
 }

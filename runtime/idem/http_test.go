@@ -37,7 +37,7 @@ type receipt struct {
 type env struct {
 	t     *testing.T
 	pool  *pgxpool.Pool
-	h     *idem.HTTP
+	cfg   idem.HTTPConfig // the engine's configuration, read by handler
 	calls atomic.Int64
 	// hook, if set, runs inside the wrapped function after its INSERT.
 	hook func(ctx context.Context, tx pgx.Tx, req chargeReq) error
@@ -51,7 +51,7 @@ func newEnv(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
-	return &env{t: t, pool: pool, h: idem.NewHTTP(idem.NewStore(pool))}
+	return &env{t: t, pool: pool}
 }
 
 // charge is the wrapped function: one INSERT, the side effect we count.
@@ -82,7 +82,16 @@ func (e *env) handler(ep idem.Endpoint) http.Handler {
 	if ep.Status == 0 {
 		ep.Status = http.StatusCreated
 	}
-	return idem.Handle(e.h, ep, e.charge)
+	return idem.Handle(e.engine(), ep, e.charge)
+}
+
+// engine is a new HTTP engine with e.cfg.
+func (e *env) engine() *idem.HTTP {
+	h, err := idem.NewHTTP(idem.NewStore(e.pool), e.cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return h
 }
 
 func (e *env) effects() int64 {
@@ -140,7 +149,7 @@ const body1 = `{"order":"o-1","amount":100}`
 func TestReplayIsByteIdentical(t *testing.T) {
 	e := newEnv(t)
 	// Set-Cookie is never stored, even when a service allow-lists it.
-	e.h.ReplayHeaders = []string{"Location", "Set-Cookie"}
+	e.cfg.ReplayHeaders = []string{"Location", "Set-Cookie"}
 	h := e.handler(idem.Endpoint{})
 	first := do(h, "k-1", body1)
 	if first.status != http.StatusCreated {
@@ -271,9 +280,9 @@ func TestConcurrentSameKeyConflict(t *testing.T) {
 		}
 		return nil
 	}
-	for _, wait := range []time.Duration{idem.NoWait, 100 * time.Millisecond} {
+	for _, wait := range []time.Duration{0, 100 * time.Millisecond} {
 		t.Run(wait.String(), func(t *testing.T) {
-			h := e.handler(idem.Endpoint{Wait: wait})
+			h := e.handler(idem.Endpoint{Wait: wait, NoWait: wait == 0})
 			key := "k-409-" + wait.String()
 			firstDone := make(chan result, 1)
 			before := e.calls.Load()
@@ -321,7 +330,7 @@ func TestFingerprintMismatch(t *testing.T) {
 // 5: bad requests are rejected before any database work: nothing stored.
 func TestBadRequestsStoreNothing(t *testing.T) {
 	e := newEnv(t)
-	e.h.MaxBodyBytes = 64
+	e.cfg.MaxBodyBytes = 64
 	h := e.handler(idem.Endpoint{})
 	cases := []struct {
 		name, key, body string
@@ -376,7 +385,7 @@ func TestOptionalKey(t *testing.T) {
 // operations, and neither can read the other's response.
 func TestPrincipalScoping(t *testing.T) {
 	e := newEnv(t)
-	e.h.Principal = func(r *http.Request) (string, error) {
+	e.cfg.Principal = func(r *http.Request) (string, error) {
 		p := r.Header.Get("X-Tenant")
 		if p == "" {
 			return "", errors.New("no tenant")
@@ -414,7 +423,11 @@ func TestStorageUnavailableFailsClosed(t *testing.T) {
 	}
 	defer pool.Close()
 	var calls atomic.Int64
-	h := idem.Handle(idem.NewHTTP(idem.NewStore(pool)), idem.Endpoint{Scope: "s"},
+	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := idem.Handle(engine, idem.Endpoint{Scope: "s"},
 		func(context.Context, pgx.Tx, chargeReq) (receipt, error) { calls.Add(1); return receipt{}, nil })
 	r := do(h, "k", body1)
 	wantProblem(t, r, http.StatusServiceUnavailable)

@@ -3,8 +3,13 @@ package idem
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"net/http"
+	"strings"
+	"unicode/utf8"
 )
 
 // Key identifies one idempotent operation: the scope (by default the wrapped
@@ -21,21 +26,116 @@ type Key struct {
 // provider sees one key however often the operation is repeated. Derive it
 // once, before any retry loop, and send it on every attempt.
 func (k Key) Derive(name string) string {
+	return hex.EncodeToString(hashParts(k.Scope, k.Principal, k.Key, name))[:32]
+}
+
+// hashParts is SHA-256 over length-prefixed parts, so ("ab","c") and
+// ("a","bc") never hash alike.
+func hashParts(parts ...string) []byte {
 	h := sha256.New()
-	for _, s := range []string{k.Scope, k.Principal, k.Key, name} {
-		// Length-prefixing keeps ("ab","c") and ("a","bc") apart.
+	for _, s := range parts {
 		var n [8]byte
-		for i, l := 0, uint64(len(s)); i < 8; i++ {
-			n[i] = byte(l >> (8 * i))
-		}
+		binary.LittleEndian.PutUint64(n[:], uint64(len(s)))
 		h.Write(n[:])
 		h.Write([]byte(s))
 	}
-	return hex.EncodeToString(h.Sum(nil))[:32]
+	return h.Sum(nil)
+}
+
+// MaxPrincipalLength is the longest principal stored as it is, in bytes.
+// Longer principals, principals that are not valid UTF-8 or hold a NUL byte
+// (PostgreSQL's text cannot store one), and principals that begin with
+// hashedPrincipalPrefix are stored as hashedPrincipalPrefix followed by the
+// hex SHA-256 of the principal: every principal has a valid, bounded storage
+// form, and no principal stored as it is can equal another's hashed form.
+const MaxPrincipalLength = 255
+
+const hashedPrincipalPrefix = "idem-sha256:"
+
+// storedPrincipal is the form of p in idem_keys.principal.
+func storedPrincipal(p string) string {
+	if len(p) <= MaxPrincipalLength && utf8.ValidString(p) && !strings.ContainsRune(p, 0) &&
+		!strings.HasPrefix(p, hashedPrincipalPrefix) {
+		return p
+	}
+	sum := sha256.Sum256([]byte(p))
+	return hashedPrincipalPrefix + hex.EncodeToString(sum[:])
+}
+
+// storageKey is the row identity of k: its principal in stored form.
+func (k Key) storageKey() Key {
+	k.Principal = storedPrincipal(k.Principal)
+	return k
+}
+
+// lockID is the 64-bit advisory-lock key that marks k as in flight. A
+// collision between two keys in flight at the same moment (odds about n²/2⁶⁵
+// for n keys in flight) only makes one wait for the other, as a duplicate
+// would; the row itself still decides what is stored.
+func (k Key) lockID() int64 {
+	return int64(binary.BigEndian.Uint64(hashParts("idem.key", k.Scope, k.Principal, k.Key)))
+}
+
+// parseKey accepts the key as a bare token (as Stripe and most clients send
+// it) or as an RFC 8941 sf-string (as the IETF draft writes it): a value that
+// begins with a double quote is an sf-string, decoded with its two escapes
+// (\" and \\); anything else in quotes (an unbalanced quote, another escape,
+// a bare quote inside, text after the closing quote) is malformed. Bare
+// `q"x` and quoted `"q\"x"` are the same key.
+func parseKey(values []string) (string, error) {
+	if len(values) != 1 {
+		return "", errors.New("send exactly one key")
+	}
+	k := values[0]
+	if strings.HasPrefix(k, `"`) {
+		var err error
+		if k, err = decodeSFString(k); err != nil {
+			return "", err
+		}
+	}
+	switch {
+	case k == "":
+		return "", errors.New("key is empty")
+	case len(k) > MaxKeyLength:
+		return "", fmt.Errorf("key is %d bytes; at most %d are allowed", len(k), MaxKeyLength)
+	}
+	for i := 0; i < len(k); i++ {
+		if c := k[i]; c < 0x21 || c > 0x7e {
+			return "", fmt.Errorf("key has a byte 0x%02x at offset %d; only visible ASCII is allowed", c, i)
+		}
+	}
+	return k, nil
+}
+
+// decodeSFString decodes an RFC 8941 sf-string (section 4.2.5), s beginning
+// with its opening quote.
+func decodeSFString(s string) (string, error) {
+	var b strings.Builder
+	for i := 1; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '\\':
+			i++
+			if i == len(s) || (s[i] != '"' && s[i] != '\\') {
+				return "", errors.New(`malformed quoted key: only \" and \\ may follow a backslash`)
+			}
+			b.WriteByte(s[i])
+		case c == '"':
+			if i != len(s)-1 {
+				return "", errors.New("malformed quoted key: text after the closing quote")
+			}
+			return b.String(), nil
+		case c < 0x20 || c > 0x7e:
+			return "", fmt.Errorf("malformed quoted key: byte 0x%02x", c)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", errors.New("malformed quoted key: no closing quote")
 }
 
 type keyCtx struct{}
 type headerCtx struct{}
+type principalCtx struct{}
 
 // KeyFromContext returns the key of the idempotent operation running under
 // ctx: for //idem:http, the request's key; for //idem:consume, the consumer
@@ -47,9 +147,18 @@ func KeyFromContext(ctx context.Context) (Key, bool) {
 	return k, ok
 }
 
+// PrincipalFromContext returns the principal of the //idem:http request
+// running under ctx, as HTTPConfig.Principal returned it (not its stored
+// form). It is set for every request, with or without a key; it reports
+// false outside a wrapped function.
+func PrincipalFromContext(ctx context.Context) (string, bool) {
+	p, ok := ctx.Value(principalCtx{}).(string)
+	return p, ok
+}
+
 // ResponseHeader returns the header of the response being built for the
 // //idem:http function running under ctx. Headers set here are sent; those on
-// the HTTP allow-list (see HTTP.ReplayHeaders) are also stored and replayed.
+// the allow-list (see HTTPConfig.ReplayHeaders) are also stored and replayed.
 // Outside a wrapped function it returns a fresh header that goes nowhere.
 func ResponseHeader(ctx context.Context) http.Header {
 	if h, ok := ctx.Value(headerCtx{}).(http.Header); ok {

@@ -12,7 +12,7 @@ import (
 // NUL (SQLSTATE 22021), valid UTF-8, bounded.
 func TestRelayErrorText(t *testing.T) {
 	got := relayErrorText(errors.New("a\x00b\xff\xfec" + strings.Repeat("€", 3000)))
-	if strings.ContainsRune(got, 0) || !utf8.ValidString(got) || len(got) > maxErrorText+len("…") {
+	if strings.ContainsRune(got, 0) || !utf8.ValidString(got) || len(got) > maxRelayErrorText+len("…") {
 		t.Fatalf("not storable: %d bytes, valid %v, NUL %v", len(got), utf8.ValidString(got), strings.ContainsRune(got, 0))
 	}
 	if !strings.HasPrefix(got, `a\0b`+"\uFFFD\uFFFDc€") || !strings.HasSuffix(got, "€…") {

@@ -38,7 +38,9 @@ func TestServeHTTPDrainsThenCancels(t *testing.T) {
 	}
 	ctx, stop := context.WithCancel(context.Background())
 	served := make(chan error, 1)
-	go func() { served <- idem.ServeHTTP(ctx, &http.Server{Handler: mux}, ln, 300*time.Millisecond, ready) }()
+	go func() {
+		served <- idem.ServeHTTP(ctx, &http.Server{Handler: mux}, ln, idem.ServeConfig{Ready: ready, NoNotReadyDelay: true, Drain: 300 * time.Millisecond})
+	}()
 
 	if w := httptest.NewRecorder(); func() int { ready.ServeHTTP(w, nil); return w.Code }() != http.StatusOK {
 		t.Fatal("not ready while serving")

@@ -2,8 +2,12 @@ package idem
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -28,27 +32,106 @@ func NewStore(pool *pgxpool.Pool) *Store {
 // Schema returns the DDL that Migrate applies; `idemgen schema` prints it.
 func Schema() string { return templates.Schema }
 
-// Migrate creates idemgen's tables if they do not exist, in the first schema
-// of the connection's search_path. Concurrent calls (several replicas starting
-// together) are serialized with a transaction-scoped advisory lock.
+// SchemaVersion identifies the schema this runtime needs: the SHA-256 of
+// Schema(). Migrate records it in idem_schema_version after applying it.
+func SchemaVersion() string {
+	sum := sha256.Sum256([]byte(templates.Schema))
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+// migrateLockTimeout bounds how long Migrate's DDL queues for a table lock.
+// While it queues, running replicas' new claims queue behind it, so it backs
+// off quickly and tries again rather than stall them.
+const migrateLockTimeout = time.Second
+
+// Migrate creates or updates idemgen's tables, in the first schema of the
+// connection's search_path.
+//
+// When the schema is current (idem_schema_version holds SchemaVersion) it
+// only reads that row: no DDL, and no lock that a running replica's requests
+// could queue behind, so starting a replica never stalls the others.
+// Otherwise it applies Schema() under a transaction-scoped advisory lock, so
+// any number of processes may call it at once: one applies, the others then
+// find the schema current. Its DDL waits at most a second for a table lock
+// before backing off and trying again, until ctx is done.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	want := SchemaVersion()
+	have, err := db.New(pool).GetSchemaVersion(ctx)
+	switch {
+	case err == nil && have == want:
+		return nil
+	case err != nil && !errors.Is(err, pgx.ErrNoRows) && pgCode(err) != "42P01": // 42P01: no version table yet
+		return fmt.Errorf("migrate: read schema version: %w", err)
+	}
+	backoff := 50 * time.Millisecond
+	for {
+		err := migrate(ctx, pool, want)
+		if pgCode(err) != "55P03" {
+			return err
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("migrate: tables stayed locked by running requests: %w", err)
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// migrate is one attempt of Migrate, in one transaction.
+func migrate(ctx context.Context, pool *pgxpool.Pool, want string) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("migrate: begin: %w", err)
 	}
 	defer rollback(ctx, tx)
-	if err := db.New(tx).MigrateLock(ctx); err != nil {
+	q := db.New(tx)
+	if err := q.MigrateLock(ctx); err != nil {
 		return fmt.Errorf("migrate: lock: %w", err)
+	}
+	// Another process may have applied it while we waited for the lock. A
+	// savepoint keeps a missing version table from aborting the transaction.
+	if current, err := schemaCurrent(ctx, tx, want); err != nil || current {
+		return err
+	}
+	if err := q.SetMigrateLockTimeout(ctx, strconv.FormatInt(migrateLockTimeout.Milliseconds(), 10)+"ms"); err != nil {
+		return fmt.Errorf("migrate: set lock timeout: %w", err)
 	}
 	// The schema is several statements; only the simple protocol runs them in
 	// one call.
 	if _, err := tx.Conn().PgConn().Exec(ctx, templates.Schema).ReadAll(); err != nil {
 		return fmt.Errorf("migrate: apply schema: %w", err)
 	}
+	if err := q.SetSchemaVersion(ctx, want); err != nil {
+		return fmt.Errorf("migrate: record schema version: %w", err)
+	}
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("migrate: commit: %w", err)
 	}
 	return nil
+}
+
+// schemaCurrent reports whether idem_schema_version holds want, reading it
+// in a savepoint of tx.
+func schemaCurrent(ctx context.Context, tx pgx.Tx, want string) (bool, error) {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("migrate: savepoint: %w", err)
+	}
+	have, err := db.New(sp).GetSchemaVersion(ctx)
+	if err != nil {
+		_ = sp.Rollback(ctx)
+		if errors.Is(err, pgx.ErrNoRows) || pgCode(err) == "42P01" {
+			return false, nil
+		}
+		return false, fmt.Errorf("migrate: read schema version: %w", err)
+	}
+	if err := sp.Commit(ctx); err != nil {
+		return false, fmt.Errorf("migrate: release savepoint: %w", err)
+	}
+	return have == want, nil
 }
 
 // DeleteExpiredKeys deletes up to batchSize expired idempotency keys and

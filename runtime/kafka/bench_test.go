@@ -69,21 +69,11 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 // done want records; it returns the time from the first to the last.
 func idemConsume(b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want, batch int) time.Duration {
 	cons := idem.Consume(idem.EventSpec[order]{Topic: "bench", Context: group, EventID: func(o order) string { return o.EventID }}, applyOrder)
-	c, err := kafka.NewConsumer(pool, kafka.ConsumerConfig{
-		Brokers: addrs, Group: group, Handlers: []idem.EventHandler{cons}, BatchSize: batch, MaxPollRecords: 1000,
-		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
-			kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
-				return start, nil
-			})},
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
 	var mu sync.Mutex
 	var first, last time.Time
 	done := 0
 	finished := make(chan struct{})
-	c.OnRecord = func(*idem.EventHandler, *idem.Record, idem.Outcome) {
+	onRecord := func(*idem.EventHandler, *idem.Record, idem.Outcome) {
 		mu.Lock()
 		defer mu.Unlock()
 		now := time.Now()
@@ -94,6 +84,17 @@ func idemConsume(b *testing.B, addrs []string, pool *pgxpool.Pool, group string,
 		if done++; done == want {
 			close(finished)
 		}
+	}
+	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{
+		Brokers: addrs, Group: group, Handlers: []idem.EventHandler{cons}, BatchSize: batch, MaxPollRecords: 1000,
+		OnRecord: onRecord,
+		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
+			kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
+				return start, nil
+			})},
+	})
+	if err != nil {
+		b.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	runDone := make(chan struct{})

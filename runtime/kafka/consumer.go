@@ -1,6 +1,6 @@
 // Package kafka runs idemgen's consumers and outbox relay on Kafka with
-// franz-go (kgo). The runtime package holds the broker-agnostic logic; this
-// package adapts it: it polls records, hands them to a idem.Processor, and
+// franz-go (kgo). The idem package holds the broker-agnostic logic; this
+// package adapts it: it polls records, hands them to an idem.Processor, and
 // commits a record's offset only after its database transaction committed.
 package kafka
 
@@ -10,9 +10,9 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/crash"
@@ -26,125 +26,185 @@ type ConsumerConfig struct {
 	// Group is the consumer group.
 	Group string
 	// Handlers are the generated handlers (e.g. the package's
-	// IdemConsumers(...)); their topics are consumed. Several consumers may
-	// share a topic; each applies each record in its own context.
+	// IdemConsumers(...)); their topics are consumed. Several handlers may
+	// share a topic if their contexts differ; each applies each record in its
+	// own context.
 	Handlers []idem.EventHandler
 	// BatchSize > 1 enables batch mode: up to BatchSize records of one
 	// partition are applied in one transaction with one multi-row dedupe
 	// insert. Default 1: one transaction per record.
 	BatchSize int
-	// Retry is the handler retry policy before a record is dead-lettered.
+	// Retry is the budget of a record's own failures (handler error, panic)
+	// before it is dead-lettered.
 	Retry idem.RetryPolicy
+	// Outage is the wait between tries while PostgreSQL is unavailable;
+	// such failures use no retry budget (see idem.ProcessorConfig).
+	Outage idem.Backoff
+	// StorageTimeout bounds each of the processor's own statements (see
+	// idem.ProcessorConfig). Default 10s.
+	StorageTimeout time.Duration
 	// CommitInterval is how often marked offsets are committed (default 1s).
 	// Offsets are also committed on partition revocation and on shutdown.
 	CommitInterval time.Duration
 	// MaxPollRecords bounds the records handled per poll (default 500).
 	MaxPollRecords int
+	// OnRecord, if set, is called after each record is done (applied, a
+	// duplicate, or dead-lettered), once per handler, before its offset is
+	// marked. Use it for metrics or logging; it runs on the partition's
+	// goroutine, so keep it fast.
+	OnRecord func(h *idem.EventHandler, rec *idem.Record, o idem.Outcome)
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 	// ClientOpts are extra kgo options (TLS, SASL, ConsumeResetOffset, ...).
-	// The options the delivery guarantee rests on are always set by
-	// NewConsumer and must not be overridden: ConsumerGroup, ConsumeTopics,
-	// AutoCommitMarks, BlockRebalanceOnPoll, OnPartitionsRevoked.
+	// The options the delivery guarantee rests on are always set by Run and
+	// must not be overridden: ConsumerGroup, ConsumeTopics, AutoCommitMarks,
+	// BlockRebalanceOnPoll, OnPartitionsAssigned, OnPartitionsRevoked,
+	// OnPartitionsLost, OnPartitionsCallbackBlocked.
 	ClientOpts []kgo.Opt
 }
 
-// Consumer consumes the topics of a set of generated consumers with
+// Consumer consumes the topics of a set of generated handlers with
 // exactly-once effects on PostgreSQL.
 //
 // Per record: in one transaction, the processed-event row and the handler's
 // writes commit (or a duplicate is skipped); only then is the record's offset
 // marked, and marked offsets are committed per partition, in order, every
 // CommitInterval, on revocation and on shutdown. Rebalances are blocked while
-// a poll is being processed, so no commit crosses a rebalance. Partitions of
-// one poll are processed concurrently, records within a partition in order.
+// a poll is being processed, so no commit crosses a rebalance; a rebalance
+// that is waiting interrupts the poll (see Run). Partitions of one poll are
+// processed concurrently, records within a partition in order.
 type Consumer struct {
-	client  *kgo.Client
+	cfg     ConsumerConfig
 	proc    *idem.Processor
 	byTopic map[string][]*idem.EventHandler
-	batch   int
-	maxPoll int
+	topics  []string
 	logger  *slog.Logger
-
-	// OnRecord, if set before Run, is called after each record is done, with
-	// its outcome per consumer. Tests and metrics use it.
-	OnRecord func(c *idem.EventHandler, rec *idem.Record, o idem.Outcome)
+	started atomic.Bool
 }
 
-// NewConsumer returns a Consumer on pool. Call Run to consume.
-func NewConsumer(pool *pgxpool.Pool, cfg ConsumerConfig) (*Consumer, error) {
+// NewConsumer validates cfg and returns a Consumer on store; it keeps a copy
+// of cfg. It opens nothing: Run opens the Kafka client and closes it when it
+// returns, so a Consumer that is never run holds no resources.
+func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	if cfg.Group == "" || len(cfg.Brokers) == 0 || len(cfg.Handlers) == 0 {
 		return nil, errors.New("kafka consumer: Brokers, Group and Handlers are required")
 	}
-	c := &Consumer{
-		proc:    &idem.Processor{Pool: pool, Retry: cfg.Retry, Logger: cfg.Logger},
-		byTopic: map[string][]*idem.EventHandler{},
-		batch:   max(cfg.BatchSize, 1),
-		maxPoll: cfg.MaxPollRecords,
-		logger:  cfg.Logger,
+	if cfg.BatchSize < 0 || cfg.MaxPollRecords < 0 || cfg.CommitInterval < 0 {
+		return nil, errors.New("kafka consumer: BatchSize, MaxPollRecords and CommitInterval must not be negative")
 	}
-	if c.maxPoll <= 0 {
-		c.maxPoll = 500
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
 	}
-	if c.logger == nil {
-		c.logger = slog.Default()
-	}
-	var topics []string
-	for i := range cfg.Handlers {
-		cons := &cfg.Handlers[i]
-		if _, seen := c.byTopic[cons.Topic]; !seen {
-			topics = append(topics, cons.Topic)
-		}
-		c.byTopic[cons.Topic] = append(c.byTopic[cons.Topic], cons)
-	}
-	interval := cfg.CommitInterval
-	if interval <= 0 {
-		interval = time.Second
-	}
-	opts := append([]kgo.Opt{}, cfg.ClientOpts...)
-	opts = append(opts,
-		kgo.SeedBrokers(cfg.Brokers...),
-		kgo.ConsumerGroup(cfg.Group),
-		kgo.ConsumeTopics(topics...),
-		kgo.AutoCommitMarks(),
-		kgo.AutoCommitInterval(interval),
-		kgo.BlockRebalanceOnPoll(),
-		kgo.OnPartitionsRevoked(c.onRevoked),
-	)
-	cl, err := kgo.NewClient(opts...)
+	proc, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		Retry: cfg.Retry, Outage: cfg.Outage, StorageTimeout: cfg.StorageTimeout, Logger: cfg.Logger,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("kafka consumer: %w", err)
 	}
-	c.client = cl
+	cfg.Handlers = append([]idem.EventHandler(nil), cfg.Handlers...)
+	cfg.Brokers = append([]string(nil), cfg.Brokers...)
+	cfg.ClientOpts = append([]kgo.Opt(nil), cfg.ClientOpts...)
+	cfg.BatchSize = max(cfg.BatchSize, 1)
+	if cfg.MaxPollRecords == 0 {
+		cfg.MaxPollRecords = 500
+	}
+	if cfg.CommitInterval == 0 {
+		cfg.CommitInterval = time.Second
+	}
+	c := &Consumer{cfg: cfg, proc: proc, byTopic: map[string][]*idem.EventHandler{}, logger: cfg.Logger}
+	seen := map[[2]string]bool{}
+	for i := range c.cfg.Handlers {
+		h := &c.cfg.Handlers[i]
+		if h.Topic == "" || h.Context == "" {
+			return nil, fmt.Errorf("kafka consumer: handler %d has no Topic or Context", i)
+		}
+		// Two handlers with one context on one topic would each see the
+		// other's processed-event rows and skip half the events.
+		if seen[[2]string{h.Topic, h.Context}] {
+			return nil, fmt.Errorf("kafka consumer: two handlers of topic %q share context %q", h.Topic, h.Context)
+		}
+		seen[[2]string{h.Topic, h.Context}] = true
+		if _, ok := c.byTopic[h.Topic]; !ok {
+			c.topics = append(c.topics, h.Topic)
+		}
+		c.byTopic[h.Topic] = append(c.byTopic[h.Topic], h)
+	}
 	return c, nil
 }
 
-// onRevoked commits what is marked before the partitions go to another
-// member. It runs between polls (BlockRebalanceOnPoll), so every marked
-// offset belongs to a committed transaction.
-func (c *Consumer) onRevoked(ctx context.Context, cl *kgo.Client, _ map[string][]int32) {
-	if err := cl.CommitMarkedOffsets(ctx); err != nil {
-		c.logger.Warn("commit on revoke failed; the new owner re-reads from the last commit and skips duplicates", "err", err)
-	}
+// errRebalancePending is the cause of a poll's context cancelled because a
+// rebalance is waiting for it.
+var errRebalancePending = errors.New("a rebalance is waiting for this poll")
+
+// run is the state of one Run: the client and the poll being processed.
+type run struct {
+	*Consumer
+	client *kgo.Client
+
+	mu      sync.Mutex
+	hurry   context.CancelCauseFunc // cancels the poll being processed
+	pending bool                    // a rebalance signalled it is waiting
 }
 
 // Run consumes until ctx is cancelled, then finishes or rolls back the
 // records in hand, commits the offsets of committed transactions, leaves the
-// group and closes the client. It returns nil after a clean shutdown.
+// group and closes the client. It returns nil after a clean shutdown. A
+// Consumer runs once.
+//
+// While a poll is processed, rebalances wait (BlockRebalanceOnPoll): this is
+// what makes every offset committed on revoke belong to a committed
+// transaction. A poll can take long — a handler retrying with backoff, or
+// the database down and the processor waiting it out — and a rebalance held
+// past the group's rebalance timeout gets this member kicked out, so a
+// waiting rebalance (OnPartitionsCallbackBlocked) cancels the poll's context:
+// the record in hand rolls back, nothing after it is marked, and each
+// partition's fetch position is moved back to its first record not done
+// (SetOffsets, before AllowRebalance, while the partition is still ours).
+// If the partition stays with this member it is fetched again from there;
+// if it moves, the new owner starts at the last committed offset. Either way
+// nothing is skipped and nothing uncommitted is marked.
 func (c *Consumer) Run(ctx context.Context) error {
-	defer c.close()
+	if !c.started.CompareAndSwap(false, true) {
+		return errors.New("kafka consumer: Run called twice")
+	}
+	r := &run{Consumer: c}
+	opts := append([]kgo.Opt{}, c.cfg.ClientOpts...)
+	opts = append(opts,
+		kgo.SeedBrokers(c.cfg.Brokers...),
+		kgo.ConsumerGroup(c.cfg.Group),
+		kgo.ConsumeTopics(c.topics...),
+		kgo.AutoCommitMarks(),
+		kgo.AutoCommitInterval(c.cfg.CommitInterval),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.OnPartitionsAssigned(r.onAssigned),
+		kgo.OnPartitionsRevoked(r.onRevoked),
+		kgo.OnPartitionsLost(r.onLost),
+		kgo.OnPartitionsCallbackBlocked(r.onBlocked),
+	)
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return fmt.Errorf("kafka consumer: %w", err)
+	}
+	r.client = cl
+	defer r.close()
 	for {
-		fetches := c.client.PollRecords(ctx, c.maxPoll)
+		fetches := cl.PollRecords(ctx, c.cfg.MaxPollRecords)
 		if fetches.IsClientClosed() || ctx.Err() != nil {
-			c.client.AllowRebalance()
+			cl.AllowRebalance()
 			return nil
 		}
 		fetches.EachError(func(topic string, p int32, err error) {
 			if !errors.Is(err, context.Canceled) {
-				c.logger.Warn("fetch error", "topic", topic, "partition", p, "err", err)
+				c.logger.Warn("fetch error", "group", c.cfg.Group, "topic", topic, "partition", p, "err", err)
 			}
 		})
-		var wg sync.WaitGroup
+		pollCtx, cancel := context.WithCancelCause(ctx)
+		r.arm(cancel)
+		var (
+			wg     sync.WaitGroup
+			mu     sync.Mutex
+			rewind = map[string]map[int32]kgo.EpochOffset{}
+		)
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 			if len(p.Records) == 0 {
 				return
@@ -152,47 +212,131 @@ func (c *Consumer) Run(ctx context.Context) error {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				c.processPartition(ctx, p.Records)
+				if rec := r.processPartition(pollCtx, p.Records); rec != nil {
+					mu.Lock()
+					if rewind[rec.Topic] == nil {
+						rewind[rec.Topic] = map[int32]kgo.EpochOffset{}
+					}
+					rewind[rec.Topic][rec.Partition] = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset}
+					mu.Unlock()
+				}
 			}()
 		})
 		wg.Wait()
-		c.client.AllowRebalance()
+		cause := context.Cause(pollCtx)
+		r.disarm()
+		cancel(nil)
+		if ctx.Err() != nil {
+			cl.AllowRebalance()
+			return nil
+		}
+		if len(rewind) > 0 {
+			c.logger.Info("poll interrupted; records not done will be fetched again", "group", c.cfg.Group,
+				"cause", cause, "from", fmt.Sprint(rewind))
+			cl.SetOffsets(rewind)
+		}
+		cl.AllowRebalance()
 	}
+}
+
+// arm makes cancel the poll's hurry; a rebalance that signalled while no
+// poll was armed cancels it at once.
+func (r *run) arm(cancel context.CancelCauseFunc) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.hurry = cancel
+	if r.pending {
+		cancel(errRebalancePending)
+	}
+}
+
+func (r *run) disarm() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.hurry, r.pending = nil, false
+}
+
+// onBlocked is kgo's signal that a rebalance (assign, revoke or loss) is
+// waiting for the poll being processed: end its waits now.
+func (r *run) onBlocked(context.Context, *kgo.Client) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.pending = true
+	if r.hurry != nil {
+		r.hurry(errRebalancePending)
+	}
+}
+
+func (r *run) onAssigned(_ context.Context, _ *kgo.Client, assigned map[string][]int32) {
+	r.logger.Info("partitions assigned", "group", r.cfg.Group, "partitions", fmt.Sprint(assigned))
+}
+
+// onRevoked commits what is marked before the partitions go to another
+// member. It runs between polls (BlockRebalanceOnPoll), so every marked
+// offset belongs to a committed transaction.
+func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+	r.logger.Info("partitions revoked", "group", r.cfg.Group, "partitions", fmt.Sprint(revoked))
+	if err := cl.CommitMarkedOffsets(ctx); err != nil {
+		r.logger.Warn("commit on revoke failed; the new owner re-reads from the last commit and skips duplicates",
+			"group", r.cfg.Group, "partitions", fmt.Sprint(revoked), "err", err)
+	}
+}
+
+// onLost: the partitions are gone without a chance to commit (session
+// expired); their marks are dropped by kgo and the new owner re-reads from
+// the last commit, skipping duplicates.
+func (r *run) onLost(_ context.Context, _ *kgo.Client, lost map[string][]int32) {
+	r.logger.Warn("partitions lost", "group", r.cfg.Group, "partitions", fmt.Sprint(lost))
 }
 
 // processPartition applies one partition's records in order, marking each
-// record's offset after it is done. On cancellation it stops: the rest is
-// not marked and will be delivered again.
-func (c *Consumer) processPartition(ctx context.Context, recs []*kgo.Record) {
-	for start := 0; start < len(recs); start += c.batch {
-		chunk := recs[start:min(start+c.batch, len(recs))]
+// chunk's offset after every handler is done with it. When ctx is cancelled
+// (shutdown, or a rebalance waiting) it stops and returns the first record
+// not done, which is not marked and must be fetched again; nil when every
+// record is done.
+func (r *run) processPartition(ctx context.Context, recs []*kgo.Record) *kgo.Record {
+	for start := 0; start < len(recs); start += r.cfg.BatchSize {
+		chunk := recs[start:min(start+r.cfg.BatchSize, len(recs))]
 		irecs := make([]*idem.Record, len(chunk))
-		for i, r := range chunk {
-			irecs[i] = toRecord(r)
+		for i, rec := range chunk {
+			irecs[i] = toRecord(rec)
 		}
-		for _, cons := range c.byTopic[chunk[0].Topic] {
-			outcomes, err := c.proc.ProcessBatch(ctx, cons, irecs)
-			if err != nil {
-				return // cancelled: nothing of this chunk is marked
-			}
-			if c.OnRecord != nil {
-				for i, o := range outcomes {
-					c.OnRecord(cons, irecs[i], o)
+		done := len(chunk) // records of the chunk every handler is done with
+		handlers := r.byTopic[chunk[0].Topic]
+		for i, h := range handlers {
+			outcomes, err := r.proc.ProcessBatch(ctx, h, irecs)
+			if r.cfg.OnRecord != nil {
+				for j, o := range outcomes {
+					r.cfg.OnRecord(h, irecs[j], o)
 				}
 			}
+			if err != nil {
+				done = min(done, len(outcomes))
+				if i < len(handlers)-1 {
+					done = 0 // the handlers after this one have not seen the chunk
+				}
+				break
+			}
+		}
+		if done < len(chunk) {
+			if done > 0 {
+				r.client.MarkCommitRecords(chunk[done-1])
+			}
+			return chunk[done]
 		}
 		crash.Point(ctx, "consume.after-commit")
-		c.client.MarkCommitRecords(chunk[len(chunk)-1])
+		r.client.MarkCommitRecords(chunk[len(chunk)-1])
 	}
+	return nil
 }
 
-func (c *Consumer) close() {
+func (r *run) close() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := c.client.CommitMarkedOffsets(ctx); err != nil {
-		c.logger.Warn("final offset commit failed; the next owner skips the duplicates", "err", err)
+	if err := r.client.CommitMarkedOffsets(ctx); err != nil {
+		r.logger.Warn("final offset commit failed; the next owner skips the duplicates", "group", r.cfg.Group, "err", err)
 	}
-	c.client.CloseAllowingRebalance()
+	r.client.CloseAllowingRebalance()
 }
 
 func toRecord(r *kgo.Record) *idem.Record {

@@ -11,8 +11,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -128,12 +130,12 @@ func startConsumer(t testing.TB, pool *pgxpool.Pool, cfg kafka.ConsumerConfig, o
 	}
 	cfg.ClientOpts = append(cfg.ClientOpts, kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.FetchMaxWait(100*time.Millisecond))
-	c, err := kafka.NewConsumer(pool, cfg)
+	if out != nil {
+		cfg.OnRecord = out.record
+	}
+	c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if out != nil {
-		c.OnRecord = out.record
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &running{c: c, stop: cancel, done: make(chan error, 1)}
@@ -176,3 +178,65 @@ func count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int64 {
 var eventSeq atomic.Int64
 
 func newID(prefix string) string { return fmt.Sprintf("%s-%d", prefix, eventSeq.Add(1)) }
+
+// committedOffsets returns the group's committed offset per partition of
+// topic (-1 where nothing is committed).
+func committedOffsets(t testing.TB, addrs []string, group, topic string, partitions int32) map[int32]int64 {
+	t.Helper()
+	cl := producer(t, addrs)
+	req := kmsg.NewPtrOffsetFetchRequest()
+	req.Group = group
+	rt := kmsg.NewOffsetFetchRequestTopic()
+	rt.Topic = topic
+	for p := int32(0); p < partitions; p++ {
+		rt.Partitions = append(rt.Partitions, p)
+	}
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(context.Background(), cl)
+	if err != nil {
+		t.Fatalf("offset fetch: %v", err)
+	}
+	if err := kerr.ErrorForCode(resp.ErrorCode); err != nil {
+		t.Fatalf("offset fetch: %v", err)
+	}
+	out := map[int32]int64{}
+	for _, rt := range resp.Topics {
+		for _, p := range rt.Partitions {
+			if err := kerr.ErrorForCode(p.ErrorCode); err != nil {
+				t.Fatalf("offset fetch %s/%d: %v", rt.Topic, p.Partition, err)
+			}
+			out[p.Partition] = p.Offset
+		}
+	}
+	return out
+}
+
+// endOffsets returns the log end offset of each partition of topic.
+func endOffsets(t testing.TB, addrs []string, topic string, partitions int32) map[int32]int64 {
+	t.Helper()
+	cl := producer(t, addrs)
+	req := kmsg.NewPtrListOffsetsRequest()
+	rt := kmsg.NewListOffsetsRequestTopic()
+	rt.Topic = topic
+	for p := int32(0); p < partitions; p++ {
+		rp := kmsg.NewListOffsetsRequestTopicPartition()
+		rp.Partition = p
+		rp.Timestamp = -1 // latest
+		rt.Partitions = append(rt.Partitions, rp)
+	}
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(context.Background(), cl)
+	if err != nil {
+		t.Fatalf("list offsets: %v", err)
+	}
+	out := map[int32]int64{}
+	for _, rt := range resp.Topics {
+		for _, p := range rt.Partitions {
+			if err := kerr.ErrorForCode(p.ErrorCode); err != nil {
+				t.Fatalf("list offsets %s/%d: %v", rt.Topic, p.Partition, err)
+			}
+			out[p.Partition] = p.Offset
+		}
+	}
+	return out
+}

@@ -76,3 +76,15 @@ func (q *Queries) InsertNotification(ctx context.Context, arg InsertNotification
 	_, err := q.db.Exec(ctx, insertNotification, arg.ChargeID, arg.OrderID)
 	return err
 }
+
+const lockSchema = `-- name: LockSchema :exec
+SELECT pg_advisory_xact_lock(7164539873465300002)
+`
+
+// Serializes the service's own CREATE TABLE IF NOT EXISTS across replicas
+// starting together: without it, two sessions creating one table race on
+// its row type (pg_type_typname_nsp_index).
+func (q *Queries) LockSchema(ctx context.Context) error {
+	_, err := q.db.Exec(ctx, lockSchema)
+	return err
+}

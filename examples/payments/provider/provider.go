@@ -123,7 +123,18 @@ func (s *Server) takeLose(orderID string) bool {
 func (s *Server) charge(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var req ChargeRequest
-	if err := json.NewDecoder(io.LimitReader(r.Body, 64<<10)).Decode(&req); err != nil {
+	raw, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
+	if err != nil {
+		answer(w, http.StatusBadRequest, map[string]string{"error": "body: " + err.Error()})
+		return
+	}
+	// Checked on the raw bytes: encoding/json would turn invalid UTF-8 into
+	// U+FFFD and charge an order id the caller never sent.
+	if !utf8.Valid(raw) {
+		answer(w, http.StatusBadRequest, map[string]string{"error": "body: not valid UTF-8"})
+		return
+	}
+	if err := json.Unmarshal(raw, &req); err != nil {
 		answer(w, http.StatusBadRequest, map[string]string{"error": "body: " + err.Error()})
 		return
 	}

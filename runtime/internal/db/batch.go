@@ -6,6 +6,7 @@ package db
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"time"
@@ -15,19 +16,28 @@ import (
 )
 
 // BoundedBegin returns opts changed so that beginning the transaction also
-// runs SetLockTimeout, in the same round trip: the claim that follows waits
-// at most lockTimeout for a concurrent in-flight duplicate. The begin
-// statement and SetLockTimeout go as one simple-protocol query (BEGIN keeps
-// the transaction open past it); the timeout is inlined as a literal of
-// digits, the only value it can hold.
-func BoundedBegin(opts pgx.TxOptions, lockTimeout time.Duration) pgx.TxOptions {
-	ms := lockTimeout.Milliseconds()
-	if ms < 1 {
-		ms = 1 // lock_timeout 0 would mean "wait forever"
+// runs SetLockTimeout (when lockTimeout is positive) and SetConnectionCheck
+// (when connCheck is positive) in the same round trip: the claim that follows
+// waits at most lockTimeout for a lock. The begin statement and the settings go as one simple-protocol query
+// (BEGIN keeps the transaction open past it); the values are inlined as
+// literals of digits, the only values they can hold.
+func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck time.Duration) pgx.TxOptions {
+	q := beginSQL(opts)
+	if lockTimeout > 0 {
+		q += ";\n" + inline(setLockTimeout, max(lockTimeout.Milliseconds(), 1)) // 0 would mean "wait forever"
 	}
-	set := strings.Replace(setLockTimeout, "$1", "'"+strconv.FormatInt(ms, 10)+"ms'", 1)
-	opts.BeginQuery = beginSQL(opts) + ";\n" + set
+	if connCheck > 0 {
+		q += ";\n" + inline(setConnectionCheck, max(connCheck.Milliseconds(), 1))
+	}
+	if q != beginSQL(opts) {
+		opts.BeginQuery = q
+	}
 	return opts
+}
+
+// inline replaces the single parameter $1 of query by a millisecond literal.
+func inline(query string, ms int64) string {
+	return strings.Replace(query, "$1", "'"+strconv.FormatInt(ms, 10)+"ms'", 1)
 }
 
 // beginSQL renders opts as pgx would.
@@ -53,21 +63,26 @@ func beginSQL(opts pgx.TxOptions) string {
 // pipelined round trip, inside a transaction begun with BoundedBegin, so that
 // the handler's own statements run with the session's lock_timeout again.
 // It reports whether ClaimKey inserted or took over the row, and otherwise
-// returns the live row (for a replay or a 422) without another round trip:
-// under read committed, GetKey's fresh snapshot sees the row that made the
-// claim conflict.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claimed bool, row GetKeyRow, err error) {
+// the row GetKey read (found false: there is none, so the key is in flight
+// elsewhere) without another round trip: under read committed, GetKey's fresh
+// snapshot sees a row that made the claim conflict.
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claimed, found bool, row GetKeyRow, err error) {
 	b := &pgx.Batch{}
-	b.Queue(claimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(claimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
 		claimed = ct.RowsAffected() == 1
 		return nil
 	})
 	b.Queue(getKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
-		return r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt)
+		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		found = err == nil
+		return err
 	})
 	b.Queue(restoreLockTimeout)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return false, GetKeyRow{}, err
+		return false, false, GetKeyRow{}, err
 	}
-	return claimed, row, nil
+	return claimed, found, row, nil
 }

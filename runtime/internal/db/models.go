@@ -9,17 +9,20 @@ import (
 )
 
 type IdemDeadLetter struct {
-	ID         int64
-	Context    string
-	Topic      string
-	Kpartition int32
-	Koffset    int64
-	RecordKey  []byte
-	Value      []byte
-	Headers    []byte
-	Attempts   int32
-	LastError  string
-	CreatedAt  pgtype.Timestamptz
+	ID           int64
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	RecordDigest []byte
+	Attempts     int32
+	LastError    string
+	CreatedAt    pgtype.Timestamptz
+	ReplayedAt   pgtype.Timestamptz
 }
 
 type IdemKey struct {
@@ -65,4 +68,10 @@ type IdemRelayLeader struct {
 	Token      string
 	AcquiredAt pgtype.Timestamptz
 	ExpiresAt  pgtype.Timestamptz
+}
+
+type IdemSchemaVersion struct {
+	Singleton bool
+	Digest    string
+	AppliedAt pgtype.Timestamptz
 }

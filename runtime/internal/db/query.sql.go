@@ -56,7 +56,8 @@ func (q *Queries) AcquireRelayLease(ctx context.Context, arg AcquireRelayLeasePa
 
 const claimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
-VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5::float8))
+SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
+WHERE pg_try_advisory_xact_lock($6::bigint)
 ON CONFLICT (scope, principal, key) DO UPDATE
 SET fingerprint = EXCLUDED.fingerprint,
     status_code = 0,
@@ -73,12 +74,17 @@ type ClaimKeyParams struct {
 	Key         string
 	Fingerprint []byte
 	TtlSeconds  float64
+	LockID      int64
 }
 
-// Claims (scope, principal, key) for this transaction. Returns 1 row when the
-// key is new or its previous row has expired (the expired row is taken over),
-// 0 when a live row exists. A concurrent uncommitted claim makes this wait
-// until that transaction ends (bounded by lock_timeout).
+// Claims (scope, principal, key) for this transaction. The transaction-scoped
+// advisory lock on @lock_id (a 64-bit hash of the key, see idem.Key) is the
+// in-flight marker: only its holder may insert or take over the row, so this
+// statement never waits on a concurrent claim of the same key. It returns 1
+// row when the key is new or its previous row has expired (the expired row is
+// taken over), 0 when the lock is held elsewhere (the key is in flight) or a
+// live row exists (GetKey tells which). Any wait here is on something else (a
+// table lock, a purge holding an expired row), bounded by lock_timeout.
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, claimKey,
 		arg.Scope,
@@ -86,6 +92,7 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 		arg.Key,
 		arg.Fingerprint,
 		arg.TtlSeconds,
+		arg.LockID,
 	)
 	if err != nil {
 		return 0, err
@@ -292,8 +299,52 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 	return err
 }
 
+const getDeadLetter = `-- name: GetDeadLetter :one
+SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+       attempts, last_error, created_at, replayed_at
+FROM idem_dead_letters
+WHERE id = $1
+`
+
+type GetDeadLetterRow struct {
+	ID           int64
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	Attempts     int32
+	LastError    string
+	CreatedAt    pgtype.Timestamptz
+	ReplayedAt   pgtype.Timestamptz
+}
+
+func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (GetDeadLetterRow, error) {
+	row := q.db.QueryRow(ctx, getDeadLetter, id)
+	var i GetDeadLetterRow
+	err := row.Scan(
+		&i.ID,
+		&i.Context,
+		&i.Topic,
+		&i.Kpartition,
+		&i.Koffset,
+		&i.RecordKey,
+		&i.Value,
+		&i.HeaderKeys,
+		&i.HeaderValues,
+		&i.Attempts,
+		&i.LastError,
+		&i.CreatedAt,
+		&i.ReplayedAt,
+	)
+	return i, err
+}
+
 const getKey = `-- name: GetKey :one
-SELECT fingerprint, status_code, headers, body, expires_at
+SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
 `
@@ -310,8 +361,10 @@ type GetKeyRow struct {
 	Headers     []byte
 	Body        []byte
 	ExpiresAt   pgtype.Timestamptz
+	Live        bool
 }
 
+// live is false for an expired row: one being taken over is still in flight.
 func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, error) {
 	row := q.db.QueryRow(ctx, getKey, arg.Scope, arg.Principal, arg.Key)
 	var i GetKeyRow
@@ -321,28 +374,46 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 		&i.Headers,
 		&i.Body,
 		&i.ExpiresAt,
+		&i.Live,
 	)
 	return i, err
 }
 
+const getSchemaVersion = `-- name: GetSchemaVersion :one
+SELECT digest FROM idem_schema_version WHERE singleton
+`
+
+func (q *Queries) GetSchemaVersion(ctx context.Context) (string, error) {
+	row := q.db.QueryRow(ctx, getSchemaVersion)
+	var digest string
+	err := row.Scan(&digest)
+	return digest, err
+}
+
 const insertDeadLetter = `-- name: InsertDeadLetter :exec
-INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, headers, attempts, last_error)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (context, topic, kpartition, koffset) DO NOTHING
+INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
+                               record_digest, attempts, last_error)
+VALUES ($1, $2, $3, $4, $5, $6, $7::bytea[], $8::bytea[],
+        $9, $10, $11)
+ON CONFLICT (context, topic, kpartition, koffset, record_digest) DO NOTHING
 `
 
 type InsertDeadLetterParams struct {
-	Context    string
-	Topic      string
-	Kpartition int32
-	Koffset    int64
-	RecordKey  []byte
-	Value      []byte
-	Headers    []byte
-	Attempts   int32
-	LastError  string
+	Context      string
+	Topic        string
+	Kpartition   int32
+	Koffset      int64
+	RecordKey    []byte
+	Value        []byte
+	HeaderKeys   [][]byte
+	HeaderValues [][]byte
+	RecordDigest []byte
+	Attempts     int32
+	LastError    string
 }
 
+// A conflict is the same record (same bytes, same position) delivered again
+// after a crash between the dead-letter commit and the offset commit.
 func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
 	_, err := q.db.Exec(ctx, insertDeadLetter,
 		arg.Context,
@@ -351,7 +422,9 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 		arg.Koffset,
 		arg.RecordKey,
 		arg.Value,
-		arg.Headers,
+		arg.HeaderKeys,
+		arg.HeaderValues,
+		arg.RecordDigest,
 		arg.Attempts,
 		arg.LastError,
 	)
@@ -440,17 +513,36 @@ func (q *Queries) ListenOutbox(ctx context.Context) error {
 	return err
 }
 
-const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
-UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
-    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
-    last_error = f.error,
-    claim_token = NULL,
-    locked_until = NULL
-FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
-             unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
-WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
-  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
+const markDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
+UPDATE idem_dead_letters SET replayed_at = now()
+WHERE id = $1 AND replayed_at IS NULL
+`
+
+// Runs in the replay's transaction, first: the row lock serializes concurrent
+// replays of one dead letter, and a replayed one is not replayed again.
+func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, markDeadLetterReplayed, id)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const markOutboxFailed = `-- name: MarkOutboxFailed :one
+WITH marked AS (
+  UPDATE idem_outbox o
+  SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
+      attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
+      last_error = f.error,
+      claim_token = NULL,
+      locked_until = NULL
+  FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
+               unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
+  WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
+    AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
+  RETURNING o.status
+)
+SELECT count(*) AS marked, count(*) FILTER (WHERE status = 'PARKED') AS parked FROM marked
 `
 
 type MarkOutboxFailedParams struct {
@@ -463,13 +555,19 @@ type MarkOutboxFailedParams struct {
 	Counted     []bool
 }
 
+type MarkOutboxFailedRow struct {
+	Marked int64
+	Parked int64
+}
+
 // Returns failed rows to PENDING with their last_error. A counted failure
 // (the row's own: others of its batch got through) adds an attempt and parks
 // the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 // once; an uncounted one (a broker-wide outage) changes neither. Conditional
-// on the claim token and the lease like MarkOutboxPublished.
-func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxFailed,
+// on the claim token and the lease like MarkOutboxPublished. It reports how
+// many rows it marked and how many of them it parked.
+func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (MarkOutboxFailedRow, error) {
+	row := q.db.QueryRow(ctx, markOutboxFailed,
 		arg.MaxAttempts,
 		arg.ClaimToken,
 		arg.Name,
@@ -478,10 +576,9 @@ func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedPara
 		arg.Permanent,
 		arg.Counted,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	var i MarkOutboxFailedRow
+	err := row.Scan(&i.Marked, &i.Parked)
+	return i, err
 }
 
 const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
@@ -570,6 +667,23 @@ func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const recordDeadLetterFailure = `-- name: RecordDeadLetterFailure :exec
+UPDATE idem_dead_letters SET attempts = attempts + $1, last_error = $2
+WHERE id = $3 AND replayed_at IS NULL
+`
+
+type RecordDeadLetterFailureParams struct {
+	Attempts  int32
+	LastError string
+	ID        int64
+}
+
+// A replay that failed again: the dead letter stays, with the new error.
+func (q *Queries) RecordDeadLetterFailure(ctx context.Context, arg RecordDeadLetterFailureParams) error {
+	_, err := q.db.Exec(ctx, recordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
+	return err
 }
 
 const releaseRelayLease = `-- name: ReleaseRelayLease :execrows
@@ -672,6 +786,18 @@ func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
 	return err
 }
 
+const setConnectionCheck = `-- name: SetConnectionCheck :exec
+SELECT set_config('client_connection_check_interval', $1::text, true)
+`
+
+// Makes the backend check, during long statements and lock waits too, that
+// the client is still connected, so a killed process frees its keys within
+// the interval instead of when the statement ends. Transaction-scoped.
+func (q *Queries) SetConnectionCheck(ctx context.Context, interval string) error {
+	_, err := q.db.Exec(ctx, setConnectionCheck, interval)
+	return err
+}
+
 const setLockTimeout = `-- name: SetLockTimeout :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', $1::text, true)
@@ -685,6 +811,17 @@ func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error 
 	return err
 }
 
+const setMigrateLockTimeout = `-- name: SetMigrateLockTimeout :exec
+SELECT set_config('lock_timeout', $1::text, true)
+`
+
+// Bounds how long Migrate's DDL queues for a table lock behind running
+// requests (and makes new requests queue behind it) before it backs off.
+func (q *Queries) SetMigrateLockTimeout(ctx context.Context, lockTimeout string) error {
+	_, err := q.db.Exec(ctx, setMigrateLockTimeout, lockTimeout)
+	return err
+}
+
 const setRelayStatementTimeout = `-- name: SetRelayStatementTimeout :exec
 SELECT set_config('statement_timeout', $1::text, true)
 `
@@ -693,5 +830,15 @@ SELECT set_config('statement_timeout', $1::text, true)
 // statement stuck behind a lock cannot outlive the lease it renews.
 func (q *Queries) SetRelayStatementTimeout(ctx context.Context, timeout string) error {
 	_, err := q.db.Exec(ctx, setRelayStatementTimeout, timeout)
+	return err
+}
+
+const setSchemaVersion = `-- name: SetSchemaVersion :exec
+INSERT INTO idem_schema_version (digest) VALUES ($1)
+ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = now()
+`
+
+func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
+	_, err := q.db.Exec(ctx, setSchemaVersion, digest)
 	return err
 }

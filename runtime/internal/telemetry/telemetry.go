@@ -161,6 +161,33 @@ func (t *Telemetry) RecordStart(ctx context.Context, consumer, topic string, par
 	}
 }
 
+// BatchStart starts a span for a batch of n records of one partition and
+// returns the finish function, which counts each record's outcome (outcomes
+// may be a prefix of the batch when it was cancelled) and records the
+// batch's duration once per record, as the per-record histogram expects.
+func (t *Telemetry) BatchStart(ctx context.Context, consumer, topic string, partition int32, firstOffset int64, n int) (context.Context, func(outcomes []string, err error)) {
+	if t == nil {
+		return ctx, func([]string, error) {}
+	}
+	start := time.Now()
+	ctx, span := t.tracer.Start(ctx, "idem.consume "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
+		trace.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic),
+			KeyPartition.Int64(int64(partition)), KeyOffset.Int64(firstOffset),
+			attribute.Int("messaging.batch.message_count", n)))
+	return ctx, func(outcomes []string, err error) {
+		per := time.Since(start).Seconds() / float64(max(len(outcomes), 1))
+		for _, o := range outcomes {
+			t.records.Add(ctx, 1, metric.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic), KeyOutcome.String(o)))
+			t.recordDuration.Record(ctx, per, metric.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic)))
+		}
+		outcome := "done"
+		if err != nil {
+			outcome = "cancelled"
+		}
+		end(span, outcome, err)
+	}
+}
+
 // RecordRetried counts one failed handler attempt that will be retried.
 func (t *Telemetry) RecordRetried(ctx context.Context, consumer, topic string) {
 	if t == nil {

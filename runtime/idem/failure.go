@@ -1,0 +1,167 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// A consumer sees two kinds of failure and never mixes them (DESIGN.md,
+// "Failure paths"):
+//
+//   - the record's: it cannot be decoded, has no event id, its handler
+//     returns an error or panics. These use the record's retry budget and
+//     end as a dead letter.
+//   - the infrastructure's: PostgreSQL is unreachable, blackholed, restarting,
+//     or aborts the transaction for concurrency reasons. These use no budget:
+//     the processor waits until the database answers or the context ends.
+//
+// Mixing them either dead-letters good records during a database blip, or
+// retries a poison record forever.
+
+// storageError is a failure of one of the processor's own statements (BEGIN,
+// the dedupe insert, COMMIT, a dead-letter write).
+type storageError struct {
+	op  string
+	err error
+}
+
+func (e *storageError) Error() string { return e.op + ": " + e.err.Error() }
+func (e *storageError) Unwrap() error { return e.err }
+
+// outageError marks a handler error that is really the database failing
+// under the handler (its connection died, a serialization failure): waited
+// out like a storageError, never charged to the record.
+type outageError struct{ err error }
+
+func (e *outageError) Error() string { return e.err.Error() }
+func (e *outageError) Unwrap() error { return e.err }
+
+// panicError is a panic recovered from user code: the handler, Decode, or
+// the event-id accessor. It is the record's failure.
+type panicError struct {
+	where string
+	value any
+	stack []byte
+}
+
+func (e *panicError) Error() string { return fmt.Sprintf("panic in %s: %v", e.where, e.value) }
+
+// handlerFailure classifies the error a handler returned on tx.
+func handlerFailure(tx pgx.Tx, err error) error {
+	var pe *panicError
+	if errors.As(err, &pe) {
+		return err
+	}
+	// A dead connection means the database went away under the handler
+	// (pgconn closes the connection on any network failure); whatever the
+	// handler made of that error, the record is not at fault.
+	if tx.Conn().IsClosed() || isOutageError(err) {
+		return &outageError{err: err}
+	}
+	return err
+}
+
+// isOutage reports whether err, from one attempt, is an infrastructure
+// failure (wait, use no attempt) rather than the record's.
+func (p *Processor) isOutage(err error) bool {
+	var oe *outageError
+	if errors.As(err, &oe) {
+		return true
+	}
+	var se *storageError
+	if errors.As(err, &se) {
+		// Our own statements fail because of the record only when the
+		// record's data cannot be stored (an event id with a NUL byte: 22021;
+		// too long for an index: 54000). Anything else is the database.
+		return !isDataError(se.err)
+	}
+	return false
+}
+
+// isDataError reports whether PostgreSQL refused the values themselves:
+// SQLSTATE class 22 (data exception: invalid byte sequence 22021, untranslatable
+// character 22P05, ...) and class 54 (program limit exceeded, e.g. an index
+// row too large).
+func isDataError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	return strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "54")
+}
+
+// isOutageError reports whether an error returned by a handler is
+// PostgreSQL failing rather than the handler: connection exceptions (08),
+// shutdown and cancellation (57P01-03, 57014, as statement_timeout),
+// insufficient resources (53), serialization failures and deadlocks (40001,
+// 40P01), lock timeouts (55P03), and pgconn's own "nothing was sent, safe to
+// retry" and connect errors. Plain network errors are deliberately not on
+// the list: a handler's downstream HTTP call failing is the record's failure
+// and uses its budget; only the database's connection dying (seen through
+// the transaction's closed connection) is an outage.
+func isOutageError(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch c := pgErr.Code; {
+		case strings.HasPrefix(c, "08"), strings.HasPrefix(c, "53"):
+			return true
+		case c == "57P01", c == "57P02", c == "57P03", c == "57014", c == "40001", c == "40P01", c == "55P03":
+			return true
+		}
+		return false
+	}
+	var ce *pgconn.ConnectError
+	return errors.As(err, &ce) || pgconn.SafeToRetry(err)
+}
+
+// safeDecode decodes rec and reads its event id; a panic in user code (a
+// Decode function, an id accessor dereferencing a nil pointer) is the
+// record's failure, never the consumer's end.
+func safeDecode(h *EventHandler, rec *Record) (ev any, id string, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			ev, id, err = nil, "", &panicError{where: "decoding the record or reading its event id", value: r, stack: debug.Stack()}
+		}
+	}()
+	return h.decode(rec)
+}
+
+// safeCall runs the handler; a panic is the record's failure.
+func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = &panicError{where: "handler", value: r, stack: debug.Stack()}
+		}
+	}()
+	return h.call(ctx, tx, ev)
+}
+
+// maxErrorText bounds the error text stored in a dead letter.
+const maxErrorText = 4096
+
+// sanitizeText makes s storable in a text column whatever bytes it holds: a
+// NUL byte (which PostgreSQL text cannot hold: 22021) becomes the visible
+// escape \x00, invalid UTF-8 becomes U+FFFD, and the result is cut to at most
+// max bytes on a rune boundary. It exists because the failure path must not
+// fail on data: a handler error quoting the record's bytes used to make the
+// dead-letter insert fail forever.
+func sanitizeText(s string, max int) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", `\x00`)
+	if len(s) <= max {
+		return s
+	}
+	const more = "…(truncated)"
+	cut := max - len(more)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + more
+}
