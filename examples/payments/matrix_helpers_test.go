@@ -156,9 +156,9 @@ func (r *rowResult) median() time.Duration {
 
 func formatTable(rows []*rowResult) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%-44s %6s %10s %5s %9s %12s %9s %9s %9s\n", "point", "trials", "duplicates", "lost", "disorder", "dead/parked", "failures", "median", "row time")
+	fmt.Fprintf(&b, "%-48s %6s %10s %5s %9s %12s %9s %9s %9s\n", "point", "trials", "duplicates", "lost", "disorder", "dead/parked", "failures", "median", "row time")
 	for _, r := range rows {
-		fmt.Fprintf(&b, "%-44s %6d %10d %5d %9d %12d %9d %9v %9v\n", r.row, r.trials, r.dup, r.lost, r.disorder, r.dead, r.failures,
+		fmt.Fprintf(&b, "%-48s %6d %10d %5d %9d %12d %9d %9v %9v\n", r.row, r.trials, r.dup, r.lost, r.disorder, r.dead, r.failures,
 			r.median(), r.elapsed.Round(100*time.Millisecond))
 	}
 	return b.String()

@@ -81,6 +81,16 @@ func TestCrashMatrix(t *testing.T) {
 			trial: func(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, n any) trialResult {
 				return relayTrial(t, m, i, rng, n.(*notifier), true)
 			}},
+		{name: "relay.lease-before-commit (relay)", point: "relay.lease-before-commit", kafka: true,
+			setup: func(t *testing.T, m *matrixEnv) any { return startNotifier(t, m) },
+			trial: func(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, n any) trialResult {
+				return leaseTrial(t, m, i, rng, n.(*notifier), false)
+			}},
+		{name: "SIGSTOP relay leader @relay.lease-before-commit", kafka: true,
+			setup: func(t *testing.T, m *matrixEnv) any { return startNotifier(t, m) },
+			trial: func(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, n any) trialResult {
+				return leaseTrial(t, m, i, rng, n.(*notifier), true)
+			}},
 		{name: "SIGSTOP consumer @consume.after-call", kafka: true, trial: func(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, _ any) trialResult {
 			return consumeStopTrial(t, m, i, rng)
 		}},
@@ -552,6 +562,88 @@ func relayTrial(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, notif *notifi
 	// A sentinel behind every copy the relays produced: once the consumer
 	// has processed it, it has processed them all.
 	sentinel := fmt.Sprintf("sentinel-%d", i)
+	v, _ := json.Marshal(PaymentCharged{ChargeID: -int64(i + 1), OrderID: "sentinel", Amount: 1, Currency: "EUR"})
+	m.produce(t, &kgo.Record{Topic: "billing.charged", Key: []byte("sentinel"), Value: v,
+		Headers: []kgo.RecordHeader{{Key: idem.EventIDHeader, Value: []byte(sentinel)}}})
+	if !waitFor(30*time.Second, func() bool { return notif.sawEvent(sentinel) }) {
+		t.Errorf("the notifications consumer never reached the sentinel")
+	}
+	disorder, missing := notif.check(ids)
+	tr.disorder = disorder
+	if len(missing) > 0 {
+		t.Errorf("events never delivered: %v", missing)
+	}
+	for _, id := range ids {
+		score(&tr, pgtest.Count(t, m.pool, `SELECT count(*) FROM notifications WHERE charge_id = $1`, id))
+	}
+	return tr
+}
+
+// leaseTrial kills (or freezes) a relay inside its k-th lease transaction
+// (the acquisition or a renewal, every lease/3), after the statement and
+// before the commit: frozen there it holds the lease row's lock. A second
+// relay must take over within a few leases and publish everything enqueued;
+// a thawed first relay must step down.
+func leaseTrial(t *testing.T, m *matrixEnv, i int, rng *rand.Rand, notif *notifier, stop bool) trialResult {
+	const n = 4
+	k := 1 + rng.IntN(4)
+	var tr trialResult
+	mode := "IDEM_CRASH_AT=relay.lease-before-commit"
+	if stop {
+		mode = "IDEM_STOP_AT=relay.lease-before-commit"
+	}
+	r1 := startUnready(t, "relay", append(m.env, mode, "IDEM_CRASH_HIT="+strconv.Itoa(k))...)
+	fired := func() bool {
+		if stop {
+			return r1.stoppedNow()
+		}
+		return r1.exitedNow()
+	}
+	if !waitFor(30*time.Second, func() bool { return leading.MatchString(r1.log()) || fired() }) {
+		t.Fatalf("the first relay neither led nor fired:\n%s", r1.log())
+	}
+	r2 := startUnready(t, "relay", m.env...)
+	if !waitFor(30*time.Second, fired) {
+		t.Fatalf("relay.lease-before-commit never fired on hit %d:\n%s", k, r1.log())
+	}
+	firedAt := time.Now()
+	if !stop && !r1.killedBySIGKILL() {
+		t.Errorf("relay ended %v, want SIGKILL at relay.lease-before-commit:\n%s", r1.cmd.ProcessState, r1.log())
+	}
+	before := pgtest.Count(t, m.pool, `SELECT count(*) FROM idem_outbox`)
+	ids := make([]int64, n)
+	ctx := context.Background()
+	for j := range n {
+		ids[j] = int64(i*100 + j + 1)
+		tx, err := m.pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		key := fmt.Sprintf("lease-%d-%c", i, 'a'+j%2)
+		if err := EnqueuePaymentCharged(ctx, tx, PaymentCharged{ChargeID: ids[j], OrderID: key, Amount: 100, Currency: "EUR"}); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !waitFor(15*time.Second, func() bool {
+		return pgtest.Count(t, m.pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PUBLISHED'`) == before+n
+	}) {
+		t.Errorf("not every event was published 15s after the %s (lease 1s):\nfired relay:\n%s\nother relay:\n%s",
+			map[bool]string{false: "kill", true: "freeze"}[stop], r1.log(), r2.log())
+	}
+	tr.recovery = time.Since(firedAt)
+	if stop {
+		mark := r1.logLen()
+		_ = r1.cmd.Process.Signal(syscall.SIGCONT)
+		if !waitFor(10*time.Second, func() bool { return regexp.MustCompile(`stepped down|standing by`).MatchString(r1.logSince(mark)) }) {
+			t.Errorf("the thawed relay never stepped down:\n%s", r1.log())
+		}
+		r1.stop(t)
+	}
+	r2.stop(t)
+	sentinel := fmt.Sprintf("lease-sentinel-%d", i)
 	v, _ := json.Marshal(PaymentCharged{ChargeID: -int64(i + 1), OrderID: "sentinel", Amount: 1, Currency: "EUR"})
 	m.produce(t, &kgo.Record{Topic: "billing.charged", Key: []byte("sentinel"), Value: v,
 		Headers: []kgo.RecordHeader{{Key: idem.EventIDHeader, Value: []byte(sentinel)}}})
