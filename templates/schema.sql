@@ -97,6 +97,14 @@ $$;
 CREATE UNIQUE INDEX IF NOT EXISTS idem_dead_letters_delivery
     ON idem_dead_letters (context, topic, kpartition, koffset, record_digest);
 
+-- Retention (idem.Janitor) deletes the oldest dead letters first, through
+-- this index rather than a scan of the table.
+CREATE INDEX IF NOT EXISTS idem_dead_letters_created_at ON idem_dead_letters (created_at);
+
+-- The idem.dead_letters gauge counts the dead letters still waiting for an
+-- operator through this index.
+CREATE INDEX IF NOT EXISTS idem_dead_letters_unreplayed ON idem_dead_letters (id) WHERE replayed_at IS NULL;
+
 -- idem_outbox holds events written in business transactions until the relay
 -- has published them: PENDING -> PUBLISHING (claimed by the leading relay,
 -- under its lease token) -> PUBLISHED, or PARKED after a permanent error or

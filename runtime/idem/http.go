@@ -25,6 +25,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/dbx"
 	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
@@ -533,7 +534,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	defer conn.Release()
 	defer rollback(ctx, tx) // after Commit this is a no-op
 
-	claimed, found, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
+	claimed, found, row, err := dbx.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
 		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
 	})
@@ -579,7 +580,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 			lockTimeout = max(time.Until(deadline), time.Millisecond)
 		}
 		check := h.connCheckMS.Load()
-		tx, err := conn.BeginTx(ctx, db.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		tx, err := conn.BeginTx(ctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
 		if err == nil {
 			return tx, conn, nil
 		}

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -55,6 +57,10 @@ type ConsumerConfig struct {
 	OnRecord func(h *idem.EventHandler, rec *idem.Record, o idem.Outcome)
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the processor's metrics and
+	// spans (see idem.ProcessorConfig); nil: the global providers.
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 	// ClientOpts are extra kgo options (TLS, SASL, ConsumeResetOffset, ...).
 	// The options the delivery guarantee rests on are always set by Run and
 	// must not be overridden: ConsumerGroup, ConsumeTopics, AutoCommitMarks,
@@ -97,6 +103,7 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	}
 	proc, err := idem.NewProcessor(store, idem.ProcessorConfig{
 		Retry: cfg.Retry, Outage: cfg.Outage, StorageTimeout: cfg.StorageTimeout, Logger: cfg.Logger,
+		MeterProvider: cfg.MeterProvider, TracerProvider: cfg.TracerProvider,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("kafka consumer: %w", err)

@@ -1,8 +1,8 @@
-package db
-
-// This file is written by hand; the rest of the package is sqlc's. It packs
-// sqlc's own query constants into fewer round trips, so that no SQL text
-// lives outside templates/ and the claim costs as little as possible.
+// Package dbx is the hand-written companion of runtime/internal/db, which is
+// sqlc's output only. It packs sqlc's exported query text (sqlc.yaml sets
+// emit_exported_queries) into fewer round trips, so that no SQL text lives
+// outside templates/ and the claim costs as little as possible.
+package dbx
 
 import (
 	"context"
@@ -13,6 +13,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
 // BoundedBegin returns opts changed so that beginning the transaction also
@@ -24,10 +26,10 @@ import (
 func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck time.Duration) pgx.TxOptions {
 	q := beginSQL(opts)
 	if lockTimeout > 0 {
-		q += ";\n" + inline(setLockTimeout, max(lockTimeout.Milliseconds(), 1)) // 0 would mean "wait forever"
+		q += ";\n" + inline(db.SetLockTimeout, max(lockTimeout.Milliseconds(), 1)) // 0 would mean "wait forever"
 	}
 	if connCheck > 0 {
-		q += ";\n" + inline(setConnectionCheck, max(connCheck.Milliseconds(), 1))
+		q += ";\n" + inline(db.SetConnectionCheck, max(connCheck.Milliseconds(), 1))
 	}
 	if q != beginSQL(opts) {
 		opts.BeginQuery = q
@@ -66,13 +68,13 @@ func beginSQL(opts pgx.TxOptions) string {
 // the row GetKey read (found false: there is none, so the key is in flight
 // elsewhere) without another round trip: under read committed, GetKey's fresh
 // snapshot sees a row that made the claim conflict.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claimed, found bool, row GetKeyRow, err error) {
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
-	b.Queue(claimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
 		claimed = ct.RowsAffected() == 1
 		return nil
 	})
-	b.Queue(getKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
+	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
 		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil
@@ -80,9 +82,9 @@ func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claime
 		found = err == nil
 		return err
 	})
-	b.Queue(restoreLockTimeout)
+	b.Queue(db.RestoreLockTimeout)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return false, false, GetKeyRow{}, err
+		return false, false, db.GetKeyRow{}, err
 	}
 	return claimed, found, row, nil
 }
