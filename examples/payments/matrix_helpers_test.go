@@ -313,7 +313,7 @@ func newMatrixEnv(t *testing.T, withKafka bool) *matrixEnv {
 			t.Fatal(err)
 		}
 		t.Cleanup(m.producer.Close)
-		m.env = append(m.env, "KAFKA_BROKERS="+strings.Join(m.brokers, ","), "KAFKA_SESSION_TIMEOUT=1s", "KAFKA_FETCH_MAX_WAIT=200ms", "RELAY_LEASE=1s")
+		m.env = append(m.env, "KAFKA_BROKERS="+strings.Join(m.brokers, ","), "KAFKA_SESSION_TIMEOUT=1s", "KAFKA_FETCH_MAX_WAIT=200ms", "RELAY_LEASE=1s", "LOG_LEVEL=debug")
 	}
 	return m
 }
