@@ -113,7 +113,7 @@ func runSuite(s suite, long, verbose bool) ([]benchkit.Row, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	var rows []benchkit.Row
+	var rows, metrics []benchkit.Row
 	var tail []string // the output, for the error message
 	sc := bufio.NewScanner(stdout)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
@@ -130,6 +130,9 @@ func runSuite(s suite, long, verbose bool) ([]benchkit.Row, error) {
 			rows = append(rows, r)
 			continue
 		}
+		if strings.HasPrefix(line, "Benchmark") {
+			metrics = append(metrics, parseMetrics(s.name, line)...)
+		}
 		if tail = append(tail, line); len(tail) > 40 {
 			tail = tail[1:]
 		}
@@ -138,7 +141,36 @@ func runSuite(s suite, long, verbose bool) ([]benchkit.Row, error) {
 		return nil, fmt.Errorf("%w\n%s", err, strings.Join(tail, "\n"))
 	}
 	if len(rows) == 0 {
+		rows = metrics // a benchmark that only reports metrics (the generator's)
+	}
+	if len(rows) == 0 {
 		return nil, fmt.Errorf("no rows printed\n%s", strings.Join(tail, "\n"))
 	}
 	return rows, nil
+}
+
+// targets are the issue's targets for metrics of benchmarks that report
+// only testing.B metrics.
+var targets = map[string]string{"gen/vet": "≤ 0.7", "check/vet": "≤ 0.7"}
+
+// parseMetrics turns a benchmark result line ("BenchmarkX-2 1 123 ns/op
+// 3.1 gen/vet ...") into rows, one per custom metric.
+func parseMetrics(section, line string) []benchkit.Row {
+	f := strings.Fields(line)
+	var rows []benchkit.Row
+	for i := 2; i+1 < len(f); i += 2 {
+		var v float64
+		if _, err := fmt.Sscan(f[i], &v); err != nil || f[i+1] == "ns/op" {
+			continue
+		}
+		unit, name := f[i+1], f[i+1]
+		switch {
+		case strings.Contains(unit, "/"):
+			unit = "ratio"
+		case strings.HasSuffix(unit, "-s"):
+			unit = "s"
+		}
+		rows = append(rows, benchkit.Row{Section: section, Name: name, Value: v, Unit: unit, Target: targets[name]})
+	}
+	return rows
 }
