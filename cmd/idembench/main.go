@@ -35,7 +35,7 @@ var suites = []suite{
 	{"http", "./runtime/idem", "^BenchmarkHTTPSideBySide$"},
 	{"consumer", "./runtime/kafka", "^BenchmarkConsumerSideBySide$"},
 	{"relay", "./runtime/kafka", "^BenchmarkRelaySideBySide$"},
-	{"storage", "./runtime/kafka", "^BenchmarkOutboxAtScale$"},
+	{"storage", "./runtime/idem", "^BenchmarkOutboxAtScale$"},
 	{"generator", "./generator", "^BenchmarkGenerateVsVet$"},
 }
 

@@ -171,3 +171,54 @@ func TestCommitFailureInPipeline(t *testing.T) {
 		t.Fatalf("retry: %d calls, %d effects, %d keys, want 2, 1, 1", e.calls.Load(), e.effects(), e.keys())
 	}
 }
+
+// Issue 11: outbox event ids are time-ordered (UUIDv7), so the claim and
+// mark UPDATEs write their event_id index entries on the index's rightmost
+// pages, not all over a history of random UUIDs; an outbox created with the
+// random default gets the new one from Migrate.
+func TestOutboxEventIDsTimeOrdered(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t)
+	ctx := context.Background()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	enqueueAndCheck := func(n int) {
+		t.Helper()
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			for i := range n {
+				if err := idem.Enqueue(ctx, tx, "events", "k", map[string]int{"i": i}); err != nil {
+					return err
+				}
+				time.Sleep(2 * time.Millisecond) // a new millisecond prefix
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		rows, err := pool.Query(ctx, `SELECT event_id FROM idem_outbox ORDER BY id DESC LIMIT $1`, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, id := range ids {
+			if len(id) != 36 || id[14] != '7' {
+				t.Fatalf("event id %q is not a UUIDv7", id)
+			}
+			if i > 0 && id[:13] >= ids[i-1][:13] { // newest first: the time prefix decreases
+				t.Fatalf("event ids not time-ordered: %q enqueued before %q", id, ids[i-1])
+			}
+		}
+	}
+	enqueueAndCheck(5)
+
+	pgtest.Exec(t, pool, `ALTER TABLE idem_outbox ALTER COLUMN event_id SET DEFAULT gen_random_uuid()::text;
+		DELETE FROM idem_schema_version`)
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	enqueueAndCheck(3)
+}
