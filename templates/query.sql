@@ -134,10 +134,13 @@ UPDATE idem_dead_letters SET attempts = attempts + @attempts, last_error = @last
 WHERE id = @id AND replayed_at IS NULL;
 
 -- name: DeleteProcessedEventsBefore :execrows
+-- Oldest first through idem_processed_events_processed_at, so a batch reads
+-- only the rows it deletes.
 DELETE FROM idem_processed_events
 WHERE (context, event_id) IN (
     SELECT p.context, p.event_id FROM idem_processed_events p
     WHERE p.processed_at < @before
+    ORDER BY p.processed_at
     LIMIT @batch_size
     FOR UPDATE SKIP LOCKED
 );
@@ -180,22 +183,27 @@ SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until
 WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBLISHING'
   AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
 
--- name: MarkOutboxFailed :execrows
+-- name: MarkOutboxFailed :one
 -- Returns failed rows to PENDING with their last_error. A counted failure
 -- (the row's own: others of its batch got through) adds an attempt and parks
 -- the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 -- once; an uncounted one (a broker-wide outage) changes neither. Conditional
--- on the claim token and the lease like MarkOutboxPublished.
-UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
-    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
-    last_error = f.error,
-    claim_token = NULL,
-    locked_until = NULL
-FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
-             unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
-WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
-  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token);
+-- on the claim token and the lease like MarkOutboxPublished. It reports how
+-- many rows it marked and how many of them it parked.
+WITH marked AS (
+  UPDATE idem_outbox o
+  SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
+      attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
+      last_error = f.error,
+      claim_token = NULL,
+      locked_until = NULL
+  FROM (SELECT unnest(@ids::bigint[]) AS id, unnest(@errors::text[]) AS error,
+               unnest(@permanent::bool[]) AS permanent, unnest(@counted::bool[]) AS counted) f
+  WHERE o.id = f.id AND o.claim_token = @claim_token AND o.status = 'PUBLISHING'
+    AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = @name AND l.token = @claim_token)
+  RETURNING o.status
+)
+SELECT count(*) AS marked, count(*) FILTER (WHERE status = 'PARKED') AS parked FROM marked;
 
 -- name: ReapOutbox :execrows
 -- Returns PUBLISHING rows whose row lease expired to PENDING.
@@ -267,14 +275,134 @@ WHERE status = 'PARKED'
   AND (@all_rows::bool OR id = ANY(@ids::bigint[]) OR topic = ANY(@topics::text[]));
 
 -- name: DeletePublishedOutbox :execrows
+-- Oldest first by published_at, so the batch is read from the partial index
+-- idem_outbox_published; ordering by id would walk the primary key through
+-- every PENDING and recent row and filter them out.
 DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
     WHERE o.status = 'PUBLISHED' AND o.published_at < @before
-    ORDER BY o.id
+    ORDER BY o.published_at
     LIMIT @batch_size
     FOR UPDATE SKIP LOCKED
 );
 
 -- name: OutboxCounts :many
 SELECT status, count(*)::bigint AS n FROM idem_outbox GROUP BY status;
+
+-- name: DeleteKeysExpiredAgo :execrows
+-- The janitor's batch: keys that expired at least @grace_seconds ago,
+-- oldest first through idem_keys_expires_at. The database's clock decides,
+-- as it does in ClaimKey: an application clock running ahead must not delete
+-- a key that is still being replayed. SKIP LOCKED: a key being taken over by
+-- a request right now is left alone.
+DELETE FROM idem_keys
+WHERE (scope, principal, key) IN (
+    SELECT k.scope, k.principal, k.key
+    FROM idem_keys k
+    WHERE k.expires_at <= now() - make_interval(secs => @grace_seconds::float8)
+    ORDER BY k.expires_at
+    LIMIT @batch_size
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: DeleteDeadLettersBefore :execrows
+-- Oldest first through idem_dead_letters_created_at.
+DELETE FROM idem_dead_letters
+WHERE id IN (
+    SELECT d.id FROM idem_dead_letters d
+    WHERE d.created_at < @before
+    ORDER BY d.created_at
+    LIMIT @batch_size
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: TryJanitorLock :one
+-- Session-level, taken by a janitor for one run on the connection that runs
+-- its batches: replicas that find it held skip their run. Keyed by the key
+-- table's oid like TryRelayLock, so schemas of one database are independent.
+SELECT pg_try_advisory_lock((7652::bigint << 32) | 'idem_keys'::regclass::oid::bigint);
+
+-- name: JanitorUnlock :one
+SELECT pg_advisory_unlock((7652::bigint << 32) | 'idem_keys'::regclass::oid::bigint);
+
+-- name: OutboxStatus :one
+-- Per-state counts for operators, each read from its partial index (PENDING,
+-- PUBLISHING, PUBLISHED, PARKED), never a scan of the whole table; the oldest
+-- PENDING row is the first entry of idem_outbox_pending.
+SELECT
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')::bigint    AS pending,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHING')::bigint AS publishing,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHED')::bigint  AS published,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PARKED')::bigint     AS parked,
+    (SELECT o.created_at FROM idem_outbox o WHERE o.status = 'PENDING' ORDER BY o.id LIMIT 1)::timestamptz AS oldest_pending,
+    now()::timestamptz AS now;
+
+-- name: RelayLeader :many
+-- The relay's leadership lease (idem_relay_leader), for operators.
+SELECT name, holder, acquired_at, expires_at, (expires_at > now())::bool AS live,
+       greatest(extract(epoch FROM expires_at - now()), 0)::float8 AS remaining_seconds
+FROM idem_relay_leader
+ORDER BY name;
+
+-- name: ListParkedOutbox :many
+SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, coalesce(o.last_error, '')::text AS last_error
+FROM idem_outbox o
+WHERE o.status = 'PARKED'
+  AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
+  AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic))
+ORDER BY o.id
+LIMIT @max_rows;
+
+-- name: CountOutboxBefore :one
+-- For purge's dry run: rows in @status created (PARKED) or published
+-- (PUBLISHED) before @before.
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = @status::text
+  AND CASE WHEN @status::text = 'PUBLISHED' THEN o.published_at ELSE o.created_at END < @before;
+
+-- name: DeleteParkedOutbox :execrows
+-- One batch of purge: parked rows enqueued before @before, through
+-- idem_outbox_parked.
+DELETE FROM idem_outbox
+WHERE id IN (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PARKED' AND o.created_at < @before
+    ORDER BY o.id
+    LIMIT @batch_size
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: ListDeadLetters :many
+-- Dead letters not yet replayed (all of them with @include_replayed).
+SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at, d.replayed_at,
+       coalesce(length(d.value), 0)::bigint AS value_len
+FROM idem_dead_letters d
+WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
+  AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
+  AND (@include_replayed::bool OR d.replayed_at IS NULL)
+ORDER BY d.id
+LIMIT @max_rows;
+
+-- name: DeleteDeadLetter :execrows
+DELETE FROM idem_dead_letters WHERE id = @id;
+
+-- name: AdminGetKey :one
+-- A key as operators see it. FOR SHARE NOWAIT fails at once (55P03) when a
+-- live transaction holds the row: a request taking over an expired key.
+SELECT scope, principal, key, fingerprint, status_code, headers, body, created_at, expires_at,
+       (expires_at <= now())::bool AS expired
+FROM idem_keys
+WHERE scope = @scope AND principal = @principal AND key = @key
+FOR SHARE NOWAIT;
+
+-- name: LockKeyNowait :one
+-- Release's guard: the row, locked without waiting. A live transaction
+-- holding it (a request in flight on this key) makes this fail with 55P03,
+-- and release refuses rather than wait or break that request.
+SELECT expires_at FROM idem_keys
+WHERE scope = @scope AND principal = @principal AND key = @key
+FOR UPDATE NOWAIT;
+
+-- name: DeleteKey :execrows
+DELETE FROM idem_keys WHERE scope = @scope AND principal = @principal AND key = @key;

@@ -97,6 +97,10 @@ $$;
 CREATE UNIQUE INDEX IF NOT EXISTS idem_dead_letters_delivery
     ON idem_dead_letters (context, topic, kpartition, koffset, record_digest);
 
+-- Retention (idem.Janitor) deletes the oldest dead letters first, through
+-- this index rather than a scan of the table.
+CREATE INDEX IF NOT EXISTS idem_dead_letters_created_at ON idem_dead_letters (created_at);
+
 -- idem_uuid_v7 is a time-ordered UUID (RFC 9562 version 7: 48 bits of Unix
 -- milliseconds, then random bits), the default outbox event id. Every claim
 -- and mark UPDATE of an outbox row writes a new entry in the event_id unique

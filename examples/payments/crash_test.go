@@ -81,7 +81,7 @@ var (
 // (providerFor), unless env sets PROVIDER_URL.
 func startChild(t *testing.T, dbURL string, env ...string) *child {
 	t.Helper()
-	base := []string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0", "NOT_READY_DELAY=0"}
+	base := []string{"DATABASE_URL=" + dbURL, "ADDR=127.0.0.1:0", "NOT_READY_DELAY=0", "KAFKA_EMBEDDED_ADDR=127.0.0.1:0"}
 	if !slices.ContainsFunc(env, func(e string) bool { return strings.HasPrefix(e, "PROVIDER_URL=") }) {
 		base = append(base, "PROVIDER_URL="+providerFor(t, dbURL).url)
 	}

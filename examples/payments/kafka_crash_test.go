@@ -46,7 +46,7 @@ func newKafkaEnv(t *testing.T) *kafkaEnv {
 	prov := providerFor(t, url)
 	return &kafkaEnv{brokers: brokers, pool: pool, provider: prov, env: []string{
 		"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "KAFKA_SESSION_TIMEOUT=1s", "RELAY_LEASE=2s",
-		"PROVIDER_URL=" + prov.url,
+		"PROVIDER_URL=" + prov.url, "LOG_LEVEL=debug",
 	}}
 }
 

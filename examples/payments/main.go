@@ -2,8 +2,9 @@
 // charges an order through an //idem:http handler.
 //
 //	go run ./examples/payments            run the demo: start the service, play a client that retries, check the database
-//	go run ./examples/payments serve      serve on $ADDR (default 127.0.0.1:8080) until SIGTERM
+//	go run ./examples/payments serve      HTTP on $ADDR, consumers, relay and janitor in one process, until SIGTERM
 //	go run ./examples/payments provider   the payment provider on $PROVIDER_ADDR (default 127.0.0.1:8081); serve calls $PROVIDER_URL
+//	go run ./examples/payments --help     every command and environment variable
 //
 // On SIGTERM, serve turns /readyz to 503 for $NOT_READY_DELAY (default 5s),
 // then drains requests for $DRAIN_TIMEOUT (default 10s), then cancels the
@@ -59,8 +60,10 @@ func main() {
 		err = relay(ctx)
 	case "provider":
 		err = runProvider(ctx)
+	case "help", "-h", "-help", "--help":
+		fmt.Print(usage)
 	default:
-		err = fmt.Errorf("unknown command %q (want demo, serve, consume, relay or provider)", cmd)
+		err = fmt.Errorf("unknown command %q (want demo, serve, consume, relay or provider; see payments --help)", cmd)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
@@ -150,11 +153,12 @@ func newMux(pool *pgxpool.Pool) (*http.ServeMux, error) {
 	return mux, nil
 }
 
-// serve serves the payments API on $ADDR until SIGTERM. On SIGTERM /readyz
-// answers 503 for $NOT_READY_DELAY (default 5s; 0 for none) while the port
-// still serves, so a load balancer sees it and stops sending traffic; then
-// the listener closes and requests drain for $DRAIN_TIMEOUT (default 10s).
-func serve(ctx context.Context) error {
+// serveHTTP serves the payments API on $ADDR until ctx is cancelled
+// (SIGTERM). Then /readyz answers 503 for $NOT_READY_DELAY (default 5s; 0
+// for none) while the port still serves, so a load balancer sees it and
+// stops sending traffic; then the listener closes and requests drain for
+// $DRAIN_TIMEOUT (default 10s).
+func serveHTTP(ctx context.Context, pool *pgxpool.Pool) error {
 	drain, err := envDuration("DRAIN_TIMEOUT", 10*time.Second)
 	if err != nil {
 		return err
@@ -163,11 +167,6 @@ func serve(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	pool, err := open(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
 	addr := os.Getenv("ADDR")
 	if addr == "" {
 		addr = "127.0.0.1:8080"
@@ -180,7 +179,7 @@ func serve(ctx context.Context) error {
 	mux.Handle("GET /readyz", ready)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return err
+		return fmt.Errorf("listen on ADDR %s: %w", addr, err)
 	}
 	// The address actually bound (ADDR may say port 0), for scripts and tests.
 	slog.Info("payments listening", "addr", ln.Addr().String())
@@ -242,41 +241,29 @@ func withKafka(ctx context.Context, fn func(pool *pgxpool.Pool, brokers []string
 
 func consume(ctx context.Context) error {
 	return withKafka(ctx, func(pool *pgxpool.Pool, brokers []string) error {
-		cfg, err := consumerConfig(brokers)
+		chk, err := topicCheck()
 		if err != nil {
 			return err
 		}
-		cfg.OnRecord = func(cons *idem.EventHandler, rec *idem.Record, o idem.Outcome) {
-			slog.Info("record done", "context", cons.Context, "topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "outcome", o.String())
-		}
-		c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
+		c, err := newConsumer(ctx, pool, brokers, chk)
 		if err != nil {
 			return err
 		}
-		slog.Info("payments consuming", "brokers", brokers)
 		return c.Run(ctx)
 	})
 }
 
 func relay(ctx context.Context) error {
 	return withKafka(ctx, func(pool *pgxpool.Pool, brokers []string) error {
-		pub, err := kafka.NewPublisher(brokers)
+		chk, err := topicCheck()
 		if err != nil {
 			return err
 		}
-		defer pub.Close()
-		cfg := idem.RelayConfig{OnLeader: func() { slog.Info("payments relay leading") }}
-		// Tests shorten the lease so a standby (or a restarted relay) takes
-		// over a killed leader quickly; production keeps the default.
-		if d := os.Getenv("RELAY_LEASE"); d != "" {
-			if cfg.Lease, err = time.ParseDuration(d); err != nil {
-				return fmt.Errorf("RELAY_LEASE: %w", err)
-			}
-		}
-		r, err := idem.NewRelay(idem.NewStore(pool), pub, cfg)
+		r, closeRelay, err := newRelay(ctx, pool, brokers, chk)
 		if err != nil {
 			return err
 		}
+		defer closeRelay()
 		return r.Run(ctx)
 	})
 }

@@ -37,7 +37,7 @@ type exitResult struct {
 func runUntilExit(t *testing.T, limit, sigterm time.Duration, env ...string) exitResult {
 	t.Helper()
 	cmd := exec.Command(buildCrashBinary(t), "serve")
-	cmd.Env = append(os.Environ(), append([]string{"ADDR=127.0.0.1:0"}, env...)...)
+	cmd.Env = append(os.Environ(), append([]string{"ADDR=127.0.0.1:0", "KAFKA_EMBEDDED_ADDR=127.0.0.1:0"}, env...)...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {

@@ -16,10 +16,13 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
 	"github.com/idemgen/idemgen/runtime/internal/relayhook"
+	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
 // leaseName names the outbox's row in idem_relay_leader. The table lives in
@@ -60,6 +63,11 @@ type RelayConfig struct {
 	// OnLeader, if set, is called each time this relay becomes the leader,
 	// after the takeover reset and before the first claim.
 	OnLeader func()
+	// MeterProvider and TracerProvider receive the relay's metrics and one
+	// span per batch (nil: the global providers). See the README's "Metrics
+	// and traces".
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
 
 // Relay publishes the outbox: PENDING → PUBLISHING → PUBLISHED (or PARKED).
@@ -80,6 +88,7 @@ type Relay struct {
 	store *Store
 	pub   Publisher
 	cfg   RelayConfig
+	tel   *telemetry.Telemetry
 	// noNotify turns LISTEN/NOTIFY off (set only by benchmarks through
 	// runtime/internal/relayhook, to measure what NOTIFY buys).
 	noNotify bool
@@ -137,7 +146,7 @@ func NewRelay(store *Store, pub Publisher, cfg RelayConfig) (*Relay, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Relay{store: store, pub: pub, cfg: cfg}, nil
+	return &Relay{store: store, pub: pub, cfg: cfg, tel: telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)}, nil
 }
 
 // Config returns the relay's configuration, defaults filled in.
@@ -359,6 +368,8 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 		return fmt.Errorf("takeover reset: %w", err)
 	}
 	log.Info("relay is the leader", "reset_publishing", n)
+	r.tel.RelayLeader(ctx, true)
+	defer r.tel.RelayLeader(context.WithoutCancel(ctx), false)
 	if r.cfg.OnLeader != nil {
 		r.cfg.OnLeader()
 	}
@@ -369,7 +380,9 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 		if !t.valid() {
 			return leaseCause(t)
 		}
-		res := r.relayBatch(t, log)
+		bctx, done := r.tel.RelayBatchStart(ctx)
+		res := r.relayBatch(trace.ContextWithSpan(t.ctx, trace.SpanFromContext(bctx)), t, log)
+		done(res.published, res.failed, res.parked, errors.Join(res.err, res.stepDown))
 		if res.stepDown != nil {
 			return res.stepDown
 		}
@@ -388,6 +401,7 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 		default:
 			outage.reset()
 		}
+		r.tel.RelayBackoff(ctx, wait)
 		if time.Since(lastReap) > r.cfg.Lease {
 			// Takeover resets what predecessors left PUBLISHING; the reaper
 			// returns rows whose row lease ran out without a takeover.
@@ -427,18 +441,20 @@ func leaseCause(t *term) error {
 }
 
 type batchResult struct {
-	claimed  int
-	outage   bool   // no row acked, and some failed with a retriable error
-	firstErr string // for the log
-	err      error  // the claim failed: back off and retry
-	stepDown error  // the term must end
+	claimed int
+	// published, failed and parked count rows whose outcome was recorded.
+	published, failed, parked int
+	outage                    bool   // no row acked, and some failed with a retriable error
+	firstErr                  string // for the log
+	err                       error  // the claim failed: back off and retry
+	stepDown                  error  // the term must end
 }
 
 // relayBatch claims one batch, publishes it and records the outcome. Once
 // claimed, the batch is finished even if Run's ctx is cancelled meanwhile:
 // the publish is bounded by PublishTimeout and the term, the marks are
 // retried until they succeed or the term ends.
-func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
+func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) batchResult {
 	dctx, cancel := r.dbCtx()
 	rows, err := db.New(r.store.pool).ClaimOutboxBatch(dctx, db.ClaimOutboxBatchParams{
 		Name: leaseName, BatchSize: int32(r.cfg.BatchSize), ClaimToken: pgtype.Text{String: t.token, Valid: true},
@@ -469,7 +485,9 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 	if !t.valid() {
 		return batchResult{claimed: len(rows), stepDown: leaseCause(t)}
 	}
-	pctx, cancel := context.WithTimeout(t.ctx, r.cfg.PublishTimeout)
+	// spanCtx is t.ctx carrying the batch's span, so a traced Publisher's
+	// spans (franz-go's kotel hooks) are its children.
+	pctx, cancel := context.WithTimeout(spanCtx, r.cfg.PublishTimeout)
 	errs := r.pub.Publish(pctx, msgs)
 	cancel()
 	if len(errs) != len(msgs) {
@@ -486,9 +504,12 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) batchResult {
 
 	out := outcome(msgs, errs)
 	res := batchResult{claimed: len(rows), outage: out.outage, firstErr: out.firstErr}
-	if err := r.recordUntilDone(t, out, log); err != nil {
+	published, failed := len(out.acked), len(out.failed)
+	if err := r.recordUntilDone(t, &out, log); err != nil {
 		res.stepDown = err
+		return res
 	}
+	res.published, res.failed, res.parked = published, failed-out.parked, out.parked
 	return res
 }
 
@@ -499,6 +520,7 @@ type batchOutcome struct {
 	reasons   []string
 	permanent []bool
 	counted   []bool
+	parked    int // set once the failures are recorded
 	outage    bool
 	firstErr  string
 }
@@ -541,11 +563,11 @@ func outcome(msgs []Message, errs []error) batchOutcome {
 // term ends or after a whole Lease of failures (which also bounds a
 // shutdown); the term then ends, and the next leader (maybe this relay
 // again) resets the rows: republishing them is a duplicate consumers skip.
-func (r *Relay) recordUntilDone(t *term, out batchOutcome, log *slog.Logger) error {
+func (r *Relay) recordUntilDone(t *term, out *batchOutcome, log *slog.Logger) error {
 	var bo backoff
 	giveUp := time.Now().Add(r.cfg.Lease)
 	for {
-		err := r.record(t.token, &out, log)
+		err := r.record(t.token, out, log)
 		if err == nil || errors.Is(err, errLeaseLost) {
 			return err
 		}
@@ -589,7 +611,7 @@ func (r *Relay) record(token string, out *batchOutcome, log *slog.Logger) error 
 			log.Warn("publish failed", "rows", len(out.failed), "first_error", out.firstErr)
 		}
 		ctx, cancel := r.dbCtx()
-		n, err := q.MarkOutboxFailed(ctx, db.MarkOutboxFailedParams{
+		res, err := q.MarkOutboxFailed(ctx, db.MarkOutboxFailedParams{
 			Name: leaseName, MaxAttempts: int32(r.cfg.MaxAttempts), ClaimToken: tok,
 			Ids: out.failed, Errors: out.reasons, Permanent: out.permanent, Counted: out.counted,
 		})
@@ -597,9 +619,10 @@ func (r *Relay) record(token string, out *batchOutcome, log *slog.Logger) error 
 		if err != nil {
 			return fmt.Errorf("mark %d rows failed: %w", len(out.failed), err)
 		}
-		if int(n) != len(out.failed) {
-			return fmt.Errorf("%w: %d of %d failed rows could not be marked", errLeaseLost, len(out.failed)-int(n), len(out.failed))
+		if int(res.Marked) != len(out.failed) {
+			return fmt.Errorf("%w: %d of %d failed rows could not be marked", errLeaseLost, len(out.failed)-int(res.Marked), len(out.failed))
 		}
+		out.parked = int(res.Parked)
 	}
 	return nil
 }

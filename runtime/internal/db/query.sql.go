@@ -54,6 +54,53 @@ func (q *Queries) AcquireRelayLease(ctx context.Context, arg AcquireRelayLeasePa
 	return i, err
 }
 
+const adminGetKey = `-- name: AdminGetKey :one
+SELECT scope, principal, key, fingerprint, status_code, headers, body, created_at, expires_at,
+       (expires_at <= now())::bool AS expired
+FROM idem_keys
+WHERE scope = $1 AND principal = $2 AND key = $3
+FOR SHARE NOWAIT
+`
+
+type AdminGetKeyParams struct {
+	Scope     string
+	Principal string
+	Key       string
+}
+
+type AdminGetKeyRow struct {
+	Scope       string
+	Principal   string
+	Key         string
+	Fingerprint []byte
+	StatusCode  int32
+	Headers     []byte
+	Body        []byte
+	CreatedAt   pgtype.Timestamptz
+	ExpiresAt   pgtype.Timestamptz
+	Expired     bool
+}
+
+// A key as operators see it. FOR SHARE NOWAIT fails at once (55P03) when a
+// live transaction holds the row: a request taking over an expired key.
+func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (AdminGetKeyRow, error) {
+	row := q.db.QueryRow(ctx, adminGetKey, arg.Scope, arg.Principal, arg.Key)
+	var i AdminGetKeyRow
+	err := row.Scan(
+		&i.Scope,
+		&i.Principal,
+		&i.Key,
+		&i.Fingerprint,
+		&i.StatusCode,
+		&i.Headers,
+		&i.Body,
+		&i.CreatedAt,
+		&i.ExpiresAt,
+		&i.Expired,
+	)
+	return i, err
+}
+
 const claimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
@@ -205,6 +252,63 @@ func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64
 	return result.RowsAffected(), nil
 }
 
+const countOutboxBefore = `-- name: CountOutboxBefore :one
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = $1::text
+  AND CASE WHEN $1::text = 'PUBLISHED' THEN o.published_at ELSE o.created_at END < $2
+`
+
+type CountOutboxBeforeParams struct {
+	Status string
+	Before pgtype.Timestamptz
+}
+
+// For purge's dry run: rows in @status created (PARKED) or published
+// (PUBLISHED) before @before.
+func (q *Queries) CountOutboxBefore(ctx context.Context, arg CountOutboxBeforeParams) (int64, error) {
+	row := q.db.QueryRow(ctx, countOutboxBefore, arg.Status, arg.Before)
+	var column_1 int64
+	err := row.Scan(&column_1)
+	return column_1, err
+}
+
+const deleteDeadLetter = `-- name: DeleteDeadLetter :execrows
+DELETE FROM idem_dead_letters WHERE id = $1
+`
+
+func (q *Queries) DeleteDeadLetter(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteDeadLetter, id)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const deleteDeadLettersBefore = `-- name: DeleteDeadLettersBefore :execrows
+DELETE FROM idem_dead_letters
+WHERE id IN (
+    SELECT d.id FROM idem_dead_letters d
+    WHERE d.created_at < $1
+    ORDER BY d.created_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+`
+
+type DeleteDeadLettersBeforeParams struct {
+	Before    pgtype.Timestamptz
+	BatchSize int32
+}
+
+// Oldest first through idem_dead_letters_created_at.
+func (q *Queries) DeleteDeadLettersBefore(ctx context.Context, arg DeleteDeadLettersBeforeParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteDeadLettersBefore, arg.Before, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const deleteExpiredKeys = `-- name: DeleteExpiredKeys :execrows
 DELETE FROM idem_keys
 WHERE (scope, principal, key) IN (
@@ -228,11 +332,86 @@ func (q *Queries) DeleteExpiredKeys(ctx context.Context, batchSize int32) (int64
 	return result.RowsAffected(), nil
 }
 
+const deleteKey = `-- name: DeleteKey :execrows
+DELETE FROM idem_keys WHERE scope = $1 AND principal = $2 AND key = $3
+`
+
+type DeleteKeyParams struct {
+	Scope     string
+	Principal string
+	Key       string
+}
+
+func (q *Queries) DeleteKey(ctx context.Context, arg DeleteKeyParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteKey, arg.Scope, arg.Principal, arg.Key)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const deleteKeysExpiredAgo = `-- name: DeleteKeysExpiredAgo :execrows
+DELETE FROM idem_keys
+WHERE (scope, principal, key) IN (
+    SELECT k.scope, k.principal, k.key
+    FROM idem_keys k
+    WHERE k.expires_at <= now() - make_interval(secs => $1::float8)
+    ORDER BY k.expires_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+`
+
+type DeleteKeysExpiredAgoParams struct {
+	GraceSeconds float64
+	BatchSize    int32
+}
+
+// The janitor's batch: keys that expired at least @grace_seconds ago,
+// oldest first through idem_keys_expires_at. The database's clock decides,
+// as it does in ClaimKey: an application clock running ahead must not delete
+// a key that is still being replayed. SKIP LOCKED: a key being taken over by
+// a request right now is left alone.
+func (q *Queries) DeleteKeysExpiredAgo(ctx context.Context, arg DeleteKeysExpiredAgoParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteKeysExpiredAgo, arg.GraceSeconds, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const deleteParkedOutbox = `-- name: DeleteParkedOutbox :execrows
+DELETE FROM idem_outbox
+WHERE id IN (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PARKED' AND o.created_at < $1
+    ORDER BY o.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+`
+
+type DeleteParkedOutboxParams struct {
+	Before    pgtype.Timestamptz
+	BatchSize int32
+}
+
+// One batch of purge: parked rows enqueued before @before, through
+// idem_outbox_parked.
+func (q *Queries) DeleteParkedOutbox(ctx context.Context, arg DeleteParkedOutboxParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteParkedOutbox, arg.Before, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const deleteProcessedEventsBefore = `-- name: DeleteProcessedEventsBefore :execrows
 DELETE FROM idem_processed_events
 WHERE (context, event_id) IN (
     SELECT p.context, p.event_id FROM idem_processed_events p
     WHERE p.processed_at < $1
+    ORDER BY p.processed_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
@@ -243,6 +422,8 @@ type DeleteProcessedEventsBeforeParams struct {
 	BatchSize int32
 }
 
+// Oldest first through idem_processed_events_processed_at, so a batch reads
+// only the rows it deletes.
 func (q *Queries) DeleteProcessedEventsBefore(ctx context.Context, arg DeleteProcessedEventsBeforeParams) (int64, error) {
 	result, err := q.db.Exec(ctx, deleteProcessedEventsBefore, arg.Before, arg.BatchSize)
 	if err != nil {
@@ -256,7 +437,7 @@ DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
     WHERE o.status = 'PUBLISHED' AND o.published_at < $1
-    ORDER BY o.id
+    ORDER BY o.published_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
@@ -267,6 +448,9 @@ type DeletePublishedOutboxParams struct {
 	BatchSize int32
 }
 
+// Oldest first by published_at, so the batch is read from the partial index
+// idem_outbox_published; ordering by id would walk the primary key through
+// every PENDING and recent row and filter them out.
 func (q *Queries) DeletePublishedOutbox(ctx context.Context, arg DeletePublishedOutboxParams) (int64, error) {
 	result, err := q.db.Exec(ctx, deletePublishedOutbox, arg.Before, arg.BatchSize)
 	if err != nil {
@@ -502,6 +686,139 @@ func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessed
 	return items, nil
 }
 
+const janitorUnlock = `-- name: JanitorUnlock :one
+SELECT pg_advisory_unlock((7652::bigint << 32) | 'idem_keys'::regclass::oid::bigint)
+`
+
+func (q *Queries) JanitorUnlock(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, janitorUnlock)
+	var pg_advisory_unlock bool
+	err := row.Scan(&pg_advisory_unlock)
+	return pg_advisory_unlock, err
+}
+
+const listDeadLetters = `-- name: ListDeadLetters :many
+SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at, d.replayed_at,
+       coalesce(length(d.value), 0)::bigint AS value_len
+FROM idem_dead_letters d
+WHERE ($1::text IS NULL OR d.context = $1)
+  AND ($2::text IS NULL OR d.topic = $2)
+  AND ($3::bool OR d.replayed_at IS NULL)
+ORDER BY d.id
+LIMIT $4
+`
+
+type ListDeadLettersParams struct {
+	Context         pgtype.Text
+	Topic           pgtype.Text
+	IncludeReplayed bool
+	MaxRows         int32
+}
+
+type ListDeadLettersRow struct {
+	ID         int64
+	Context    string
+	Topic      string
+	Kpartition int32
+	Koffset    int64
+	Attempts   int32
+	LastError  string
+	CreatedAt  pgtype.Timestamptz
+	ReplayedAt pgtype.Timestamptz
+	ValueLen   int64
+}
+
+// Dead letters not yet replayed (all of them with @include_replayed).
+func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams) ([]ListDeadLettersRow, error) {
+	rows, err := q.db.Query(ctx, listDeadLetters,
+		arg.Context,
+		arg.Topic,
+		arg.IncludeReplayed,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ListDeadLettersRow
+	for rows.Next() {
+		var i ListDeadLettersRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.Context,
+			&i.Topic,
+			&i.Kpartition,
+			&i.Koffset,
+			&i.Attempts,
+			&i.LastError,
+			&i.CreatedAt,
+			&i.ReplayedAt,
+			&i.ValueLen,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const listParkedOutbox = `-- name: ListParkedOutbox :many
+SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, coalesce(o.last_error, '')::text AS last_error
+FROM idem_outbox o
+WHERE o.status = 'PARKED'
+  AND ($1::bigint IS NULL OR o.id = $1)
+  AND ($2::text IS NULL OR o.topic = $2)
+ORDER BY o.id
+LIMIT $3
+`
+
+type ListParkedOutboxParams struct {
+	ID      pgtype.Int8
+	Topic   pgtype.Text
+	MaxRows int32
+}
+
+type ListParkedOutboxRow struct {
+	ID        int64
+	EventID   string
+	Topic     string
+	RecordKey []byte
+	Attempts  int32
+	CreatedAt pgtype.Timestamptz
+	LastError string
+}
+
+func (q *Queries) ListParkedOutbox(ctx context.Context, arg ListParkedOutboxParams) ([]ListParkedOutboxRow, error) {
+	rows, err := q.db.Query(ctx, listParkedOutbox, arg.ID, arg.Topic, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ListParkedOutboxRow
+	for rows.Next() {
+		var i ListParkedOutboxRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.EventID,
+			&i.Topic,
+			&i.RecordKey,
+			&i.Attempts,
+			&i.CreatedAt,
+			&i.LastError,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const listenOutbox = `-- name: ListenOutbox :exec
 LISTEN idem_outbox
 `
@@ -509,6 +826,28 @@ LISTEN idem_outbox
 func (q *Queries) ListenOutbox(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, listenOutbox)
 	return err
+}
+
+const lockKeyNowait = `-- name: LockKeyNowait :one
+SELECT expires_at FROM idem_keys
+WHERE scope = $1 AND principal = $2 AND key = $3
+FOR UPDATE NOWAIT
+`
+
+type LockKeyNowaitParams struct {
+	Scope     string
+	Principal string
+	Key       string
+}
+
+// Release's guard: the row, locked without waiting. A live transaction
+// holding it (a request in flight on this key) makes this fail with 55P03,
+// and release refuses rather than wait or break that request.
+func (q *Queries) LockKeyNowait(ctx context.Context, arg LockKeyNowaitParams) (pgtype.Timestamptz, error) {
+	row := q.db.QueryRow(ctx, lockKeyNowait, arg.Scope, arg.Principal, arg.Key)
+	var expires_at pgtype.Timestamptz
+	err := row.Scan(&expires_at)
+	return expires_at, err
 }
 
 const markDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
@@ -526,17 +865,21 @@ func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, 
 	return result.RowsAffected(), nil
 }
 
-const markOutboxFailed = `-- name: MarkOutboxFailed :execrows
-UPDATE idem_outbox o
-SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
-    attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
-    last_error = f.error,
-    claim_token = NULL,
-    locked_until = NULL
-FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
-             unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
-WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
-  AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
+const markOutboxFailed = `-- name: MarkOutboxFailed :one
+WITH marked AS (
+  UPDATE idem_outbox o
+  SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
+      attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
+      last_error = f.error,
+      claim_token = NULL,
+      locked_until = NULL
+  FROM (SELECT unnest($4::bigint[]) AS id, unnest($5::text[]) AS error,
+               unnest($6::bool[]) AS permanent, unnest($7::bool[]) AS counted) f
+  WHERE o.id = f.id AND o.claim_token = $2 AND o.status = 'PUBLISHING'
+    AND EXISTS (SELECT 1 FROM idem_relay_leader l WHERE l.name = $3 AND l.token = $2)
+  RETURNING o.status
+)
+SELECT count(*) AS marked, count(*) FILTER (WHERE status = 'PARKED') AS parked FROM marked
 `
 
 type MarkOutboxFailedParams struct {
@@ -549,13 +892,19 @@ type MarkOutboxFailedParams struct {
 	Counted     []bool
 }
 
+type MarkOutboxFailedRow struct {
+	Marked int64
+	Parked int64
+}
+
 // Returns failed rows to PENDING with their last_error. A counted failure
 // (the row's own: others of its batch got through) adds an attempt and parks
 // the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 // once; an uncounted one (a broker-wide outage) changes neither. Conditional
-// on the claim token and the lease like MarkOutboxPublished.
-func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxFailed,
+// on the claim token and the lease like MarkOutboxPublished. It reports how
+// many rows it marked and how many of them it parked.
+func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (MarkOutboxFailedRow, error) {
+	row := q.db.QueryRow(ctx, markOutboxFailed,
 		arg.MaxAttempts,
 		arg.ClaimToken,
 		arg.Name,
@@ -564,10 +913,9 @@ func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedPara
 		arg.Permanent,
 		arg.Counted,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	var i MarkOutboxFailedRow
+	err := row.Scan(&i.Marked, &i.Parked)
+	return i, err
 }
 
 const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
@@ -643,6 +991,42 @@ func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
 	return items, nil
 }
 
+const outboxStatus = `-- name: OutboxStatus :one
+SELECT
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')::bigint    AS pending,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHING')::bigint AS publishing,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHED')::bigint  AS published,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PARKED')::bigint     AS parked,
+    (SELECT o.created_at FROM idem_outbox o WHERE o.status = 'PENDING' ORDER BY o.id LIMIT 1)::timestamptz AS oldest_pending,
+    now()::timestamptz AS now
+`
+
+type OutboxStatusRow struct {
+	Pending       int64
+	Publishing    int64
+	Published     int64
+	Parked        int64
+	OldestPending pgtype.Timestamptz
+	Now           pgtype.Timestamptz
+}
+
+// Per-state counts for operators, each read from its partial index (PENDING,
+// PUBLISHING, PUBLISHED, PARKED), never a scan of the whole table; the oldest
+// PENDING row is the first entry of idem_outbox_pending.
+func (q *Queries) OutboxStatus(ctx context.Context) (OutboxStatusRow, error) {
+	row := q.db.QueryRow(ctx, outboxStatus)
+	var i OutboxStatusRow
+	err := row.Scan(
+		&i.Pending,
+		&i.Publishing,
+		&i.Published,
+		&i.Parked,
+		&i.OldestPending,
+		&i.Now,
+	)
+	return i, err
+}
+
 const reapOutbox = `-- name: ReapOutbox :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
@@ -673,6 +1057,50 @@ type RecordDeadLetterFailureParams struct {
 func (q *Queries) RecordDeadLetterFailure(ctx context.Context, arg RecordDeadLetterFailureParams) error {
 	_, err := q.db.Exec(ctx, recordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
 	return err
+}
+
+const relayLeader = `-- name: RelayLeader :many
+SELECT name, holder, acquired_at, expires_at, (expires_at > now())::bool AS live,
+       greatest(extract(epoch FROM expires_at - now()), 0)::float8 AS remaining_seconds
+FROM idem_relay_leader
+ORDER BY name
+`
+
+type RelayLeaderRow struct {
+	Name             string
+	Holder           string
+	AcquiredAt       pgtype.Timestamptz
+	ExpiresAt        pgtype.Timestamptz
+	Live             bool
+	RemainingSeconds float64
+}
+
+// The relay's leadership lease (idem_relay_leader), for operators.
+func (q *Queries) RelayLeader(ctx context.Context) ([]RelayLeaderRow, error) {
+	rows, err := q.db.Query(ctx, relayLeader)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []RelayLeaderRow
+	for rows.Next() {
+		var i RelayLeaderRow
+		if err := rows.Scan(
+			&i.Name,
+			&i.Holder,
+			&i.AcquiredAt,
+			&i.ExpiresAt,
+			&i.Live,
+			&i.RemainingSeconds,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const releaseRelayLease = `-- name: ReleaseRelayLease :execrows
@@ -872,4 +1300,18 @@ func (q *Queries) TakeOverExpiredKey(ctx context.Context, arg TakeOverExpiredKey
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const tryJanitorLock = `-- name: TryJanitorLock :one
+SELECT pg_try_advisory_lock((7652::bigint << 32) | 'idem_keys'::regclass::oid::bigint)
+`
+
+// Session-level, taken by a janitor for one run on the connection that runs
+// its batches: replicas that find it held skip their run. Keyed by the key
+// table's oid like TryRelayLock, so schemas of one database are independent.
+func (q *Queries) TryJanitorLock(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, tryJanitorLock)
+	var pg_try_advisory_lock bool
+	err := row.Scan(&pg_try_advisory_lock)
+	return pg_try_advisory_lock, err
 }

@@ -1,0 +1,609 @@
+// Command idemctl is the operator's tool for idemgen's tables: outbox
+// status and repair, dead letters, idempotency keys. It talks to the
+// database at $DATABASE_URL (its search_path selects the schema) and, to
+// replay dead letters, to Kafka at $KAFKA_BROKERS.
+//
+// It is a separate binary from idemgen on purpose: it runs on production
+// hosts and in operators' shells, so it links only the runtime (pgx,
+// franz-go), not the generator's golang.org/x/tools; and it never needs a Go
+// toolchain or the service's source.
+//
+// Every command that changes something prints what it would do and does it
+// only with --yes. Exit status: 0 done (or a dry run), 1 refused or not
+// found, 2 usage or error.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemgen/idemgen/runtime/admin"
+)
+
+const usage = `usage: idemctl <command> [flags]
+
+Outbox:
+  outbox status                            counts per state, oldest pending age, active relay
+  outbox parked   [--topic T] [--id N] [--limit N]
+                                           list parked events with their last error
+  outbox requeue  (--all | --id N | --topic T) [--yes]
+                                           parked -> pending, with a fresh attempt budget
+  outbox purge    (--published | --parked) --older-than DURATION [--yes]
+                                           delete old published and/or parked rows
+
+Dead letters:
+  deadletters list    [--context C] [--topic T] [--all] [--limit N]
+                                           not yet replayed ones (--all: replayed too)
+  deadletters show    --id N               key, value and headers, escaped
+  deadletters replay  --id N [--yes] [--timeout 30s]
+                                           re-produce to its topic (needs KAFKA_BROKERS),
+                                           mark it replayed once the broker acked
+  deadletters discard --id N [--yes]
+
+Idempotency keys (scoped: name the scope, the principal and the key):
+  keys show    --scope S --principal P --key K
+  keys release --scope S --principal P --key K [--yes]
+                                           delete a stored key so the next request runs
+                                           anew; refused while a request holds it
+
+Environment:
+  DATABASE_URL   PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres);
+                 its search_path selects the schema with idemgen's tables
+  KAFKA_BROKERS  comma-separated seed brokers, for deadletters replay
+
+Without --yes a mutating command only prints what it would do (a dry run).
+Exit status: 0 done or dry run, 1 refused or not found, 2 usage or error.
+`
+
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// exit codes
+const (
+	exitOK      = 0
+	exitRefused = 1
+	exitError   = 2
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// errRefused marks an outcome that is not a failure of idemctl but a "no":
+// not found, or in flight.
+type errRefused struct{ error }
+
+func (e errRefused) Unwrap() error { return e.error }
+
+type usageError string
+
+func (e usageError) Error() string { return string(e) }
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprint(stdout, usage)
+		if len(args) == 0 {
+			return exitError
+		}
+		return exitOK
+	}
+	if len(args) < 2 {
+		fmt.Fprintf(stderr, "idemctl: %s needs a subcommand\n\n%s", args[0], usage)
+		return exitError
+	}
+	c := &cli{out: stdout, ctx: ctx}
+	cmds := map[string]func([]string) error{
+		"outbox status":       c.outboxStatus,
+		"outbox parked":       c.outboxParked,
+		"outbox requeue":      c.outboxRequeue,
+		"outbox purge":        c.outboxPurge,
+		"deadletters list":    c.deadLettersList,
+		"deadletters show":    c.deadLettersShow,
+		"deadletters replay":  c.deadLettersReplay,
+		"deadletters discard": c.deadLettersDiscard,
+		"keys show":           c.keysShow,
+		"keys release":        c.keysRelease,
+	}
+	name := args[0] + " " + args[1]
+	fn, ok := cmds[name]
+	if !ok {
+		fmt.Fprintf(stderr, "idemctl: unknown command %q\n\n%s", name, usage)
+		return exitError
+	}
+	defer c.close()
+	err := fn(args[2:])
+	var u usageError
+	var refused errRefused
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, flag.ErrHelp):
+		return exitOK
+	case errors.As(err, &u):
+		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
+		return exitError
+	case errors.As(err, &refused), errors.Is(err, admin.ErrNotFound), errors.Is(err, admin.ErrInFlight):
+		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
+		return exitRefused
+	default:
+		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
+		return exitError
+	}
+}
+
+type cli struct {
+	ctx  context.Context
+	out  io.Writer
+	pool *pgxpool.Pool
+}
+
+func (c *cli) admin() (*admin.Admin, error) {
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		url = defaultDatabaseURL
+	}
+	pool, err := pgxpool.New(c.ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("connect to DATABASE_URL: %w", err)
+	}
+	c.pool = pool
+	return admin.New(pool), nil
+}
+
+func (c *cli) close() {
+	if c.pool != nil {
+		c.pool.Close()
+	}
+}
+
+func (c *cli) printf(format string, args ...any) { fmt.Fprintf(c.out, format, args...) }
+
+// parse parses flags; positional arguments are refused.
+func parse(fs *flag.FlagSet, args []string) error {
+	fs.SetOutput(io.Discard)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError(err.Error())
+	}
+	if fs.NArg() > 0 {
+		return usageError(fmt.Sprintf("unexpected argument %q", fs.Arg(0)))
+	}
+	return nil
+}
+
+func (c *cli) outboxStatus(args []string) error {
+	fs := flag.NewFlagSet("outbox status", flag.ContinueOnError)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	st, err := a.OutboxStatus(c.ctx)
+	if err != nil {
+		return err
+	}
+	c.printf("pending     %d\npublishing  %d\npublished   %d\nparked      %d\n", st.Pending, st.Publishing, st.Published, st.Parked)
+	if st.OldestPending.IsZero() {
+		c.printf("oldest pending: none\n")
+	} else {
+		c.printf("oldest pending: %s (age %s)\n", st.OldestPending.UTC().Format(time.RFC3339), st.OldestPendingAge.Round(time.Second))
+	}
+	switch l := st.Leader; {
+	case l == nil:
+		c.printf("relay leader: none (no relay has led yet)\n")
+	case l.Live:
+		c.printf("relay leader: %s (lease %s, acquired %s, expires in %s)\n", escape([]byte(l.Holder)), escape([]byte(l.Name)),
+			l.AcquiredAt.UTC().Format(time.RFC3339), l.Remaining.Round(time.Second))
+	default:
+		c.printf("relay leader: none live (last: %s, lease expired %s)\n", escape([]byte(l.Holder)), l.ExpiresAt.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+func (c *cli) outboxParked(args []string) error {
+	fs := flag.NewFlagSet("outbox parked", flag.ContinueOnError)
+	topic := fs.String("topic", "", "only this topic")
+	id := fs.Int64("id", 0, "only this outbox row")
+	limit := fs.Int("limit", 100, "list at most this many")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	rows, err := a.ParkedEvents(c.ctx, admin.OutboxFilter{ID: *id, Topic: *topic}, *limit)
+	if err != nil {
+		return err
+	}
+	c.printParked(rows)
+	return nil
+}
+
+func (c *cli) printParked(rows []admin.ParkedEvent) {
+	c.printf("%d parked\n", len(rows))
+	for _, r := range rows {
+		c.printf("id=%d topic=%s event_id=%s key=%s attempts=%d enqueued=%s\n  last_error: %s\n", r.ID, escape([]byte(r.Topic)),
+			escape([]byte(r.EventID)), escape(r.Key), r.Attempts, r.CreatedAt.UTC().Format(time.RFC3339), escape([]byte(r.LastError)))
+	}
+}
+
+func (c *cli) outboxRequeue(args []string) error {
+	fs := flag.NewFlagSet("outbox requeue", flag.ContinueOnError)
+	all := fs.Bool("all", false, "every parked row")
+	id := fs.Int64("id", 0, "this outbox row")
+	topic := fs.String("topic", "", "every parked row of this topic")
+	yes := fs.Bool("yes", false, "do it (without: dry run)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if !*all && *id == 0 && *topic == "" {
+		return usageError("say which rows: --all, --id N or --topic T")
+	}
+	if (*all && (*id != 0 || *topic != "")) || (*id != 0 && *topic != "") {
+		return usageError("choose one of --all, --id N and --topic T")
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	f := admin.OutboxFilter{ID: *id, Topic: *topic}
+	if !*yes {
+		rows, err := a.ParkedEvents(c.ctx, f, 1000)
+		if err != nil {
+			return err
+		}
+		c.printf("dry run: would requeue %d parked row(s) (PARKED -> PENDING, attempts reset); run again with --yes\n", len(rows))
+		c.printParked(rows)
+		return nil
+	}
+	n, err := a.RequeueParked(c.ctx, f)
+	if err != nil {
+		return err
+	}
+	c.printf("requeued %d parked row(s)\n", n)
+	return nil
+}
+
+func (c *cli) outboxPurge(args []string) error {
+	fs := flag.NewFlagSet("outbox purge", flag.ContinueOnError)
+	published := fs.Bool("published", false, "delete PUBLISHED rows published before --older-than")
+	parked := fs.Bool("parked", false, "delete PARKED rows enqueued before --older-than (their events are lost)")
+	olderThan := fs.Duration("older-than", 0, "age, e.g. 24h")
+	yes := fs.Bool("yes", false, "do it (without: dry run)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if !*published && !*parked {
+		return usageError("say what to purge: --published and/or --parked")
+	}
+	if *olderThan <= 0 {
+		return usageError("--older-than must be a positive duration, e.g. 24h")
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	before := time.Now().Add(-*olderThan)
+	var statuses []string
+	if *published {
+		statuses = append(statuses, admin.StatusPublished)
+	}
+	if *parked {
+		statuses = append(statuses, admin.StatusParked)
+	}
+	for _, s := range statuses {
+		if !*yes {
+			n, err := a.CountOutboxBefore(c.ctx, s, before)
+			if err != nil {
+				return err
+			}
+			c.printf("dry run: would delete %d %s row(s) older than %s; run again with --yes\n", n, s, *olderThan)
+			continue
+		}
+		n, err := a.PurgeOutbox(c.ctx, s, before, 1000)
+		if err != nil {
+			return err
+		}
+		c.printf("deleted %d %s row(s) older than %s\n", n, s, *olderThan)
+	}
+	return nil
+}
+
+func (c *cli) deadLettersList(args []string) error {
+	fs := flag.NewFlagSet("deadletters list", flag.ContinueOnError)
+	context := fs.String("context", "", "only this consumer context")
+	topic := fs.String("topic", "", "only this topic")
+	all := fs.Bool("all", false, "include replayed dead letters (kept until retention)")
+	limit := fs.Int("limit", 100, "list at most this many")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	rows, err := a.DeadLetters(c.ctx, admin.DeadLetterFilter{Context: *context, Topic: *topic, IncludeReplayed: *all}, *limit)
+	if err != nil {
+		return err
+	}
+	c.printf("%d dead letter(s)\n", len(rows))
+	for _, d := range rows {
+		c.printf("id=%d context=%s %s/%d@%d attempts=%d value_bytes=%d at=%s%s\n  last_error: %s\n", d.ID, escape([]byte(d.Context)),
+			escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts, d.ValueLen, d.CreatedAt.UTC().Format(time.RFC3339),
+			replayed(d), escape([]byte(d.LastError)))
+	}
+	return nil
+}
+
+func idFlag(fs *flag.FlagSet) *int64 { return fs.Int64("id", 0, "the dead letter's id") }
+
+func needID(id int64) error {
+	if id <= 0 {
+		return usageError("--id N is required")
+	}
+	return nil
+}
+
+func replayed(d admin.DeadLetter) string {
+	if d.ReplayedAt.IsZero() {
+		return ""
+	}
+	return " replayed=" + d.ReplayedAt.UTC().Format(time.RFC3339)
+}
+
+func (c *cli) printDeadLetter(d admin.DeadLetter) {
+	c.printf("id:         %d\ncontext:    %s\nrecord:     %s partition %d offset %d\nattempts:   %d\nat:         %s\nlast_error: %s\nkey:        %s\nvalue:      %s\nheaders:    %d\n",
+		d.ID, escape([]byte(d.Context)), escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts,
+		d.CreatedAt.UTC().Format(time.RFC3339)+replayed(d), escape([]byte(d.LastError)), escape(d.Key), escape(d.Value), len(d.Headers))
+	for _, h := range d.Headers {
+		c.printf("  %s: %s\n", escape([]byte(h.Key)), escape(h.Value))
+	}
+}
+
+func (c *cli) deadLettersShow(args []string) error {
+	fs := flag.NewFlagSet("deadletters show", flag.ContinueOnError)
+	id := idFlag(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := needID(*id); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	d, err := a.DeadLetter(c.ctx, *id)
+	if err != nil {
+		return err
+	}
+	c.printDeadLetter(d)
+	return nil
+}
+
+func (c *cli) deadLettersDiscard(args []string) error {
+	fs := flag.NewFlagSet("deadletters discard", flag.ContinueOnError)
+	id := idFlag(fs)
+	yes := fs.Bool("yes", false, "do it (without: dry run)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := needID(*id); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	if !*yes {
+		d, err := a.DeadLetter(c.ctx, *id)
+		if errors.Is(err, admin.ErrNotFound) {
+			c.printf("dry run: dead letter %d does not exist; nothing to discard\n", *id)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		c.printf("dry run: would delete dead letter %d (%s partition %d offset %d); its record is then lost; run again with --yes\n",
+			d.ID, escape([]byte(d.Topic)), d.Partition, d.Offset)
+		return nil
+	}
+	found, err := a.DiscardDeadLetter(c.ctx, *id)
+	if err != nil {
+		return err
+	}
+	if !found {
+		c.printf("dead letter %d does not exist (already discarded or replayed); nothing done\n", *id)
+		return nil
+	}
+	c.printf("discarded dead letter %d\n", *id)
+	return nil
+}
+
+func (c *cli) deadLettersReplay(args []string) error {
+	fs := flag.NewFlagSet("deadletters replay", flag.ContinueOnError)
+	id := idFlag(fs)
+	yes := fs.Bool("yes", false, "do it (without: dry run)")
+	timeout := fs.Duration("timeout", 30*time.Second, "how long to wait for the broker's ack")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := needID(*id); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	if !*yes {
+		d, err := a.DeadLetter(c.ctx, *id)
+		if errors.Is(err, admin.ErrNotFound) {
+			c.printf("dry run: dead letter %d does not exist; nothing to replay\n", *id)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if !d.ReplayedAt.IsZero() {
+			c.printf("dry run: dead letter %d was replayed already (%s); nothing to replay\n", d.ID, d.ReplayedAt.UTC().Format(time.RFC3339))
+			return nil
+		}
+		c.printf("dry run: would produce dead letter %d again to topic %s (key %s, %d header(s), %d value bytes), then mark it replayed; run again with --yes\n",
+			d.ID, escape([]byte(d.Topic)), escape(d.Key), len(d.Headers), len(d.Value))
+		return nil
+	}
+	brokers := os.Getenv("KAFKA_BROKERS")
+	if brokers == "" {
+		return usageError("replay produces to Kafka: set KAFKA_BROKERS")
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(brokers, ",")...), kgo.ProducerLinger(0))
+	if err != nil {
+		return fmt.Errorf("kafka client: %w", err)
+	}
+	defer cl.Close()
+	produce := func(ctx context.Context, d admin.DeadLetter) error {
+		rec := &kgo.Record{Topic: d.Topic, Key: d.Key, Value: d.Value}
+		for _, h := range d.Headers {
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: h.Key, Value: h.Value})
+		}
+		// ProduceSync returns once the broker acked (acks=all by default).
+		pctx, cancel := context.WithTimeout(ctx, *timeout)
+		defer cancel()
+		return cl.ProduceSync(pctx, rec).FirstErr()
+	}
+	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
+	if err != nil {
+		return err
+	}
+	if !found {
+		c.printf("dead letter %d does not exist or was replayed already; nothing done\n", *id)
+		return nil
+	}
+	c.printf("replayed dead letter %d: produced and acked, then marked replayed\n", *id)
+	return nil
+}
+
+func keyFlags(fs *flag.FlagSet) *admin.KeyRef {
+	var k admin.KeyRef
+	fs.StringVar(&k.Scope, "scope", "", "the endpoint's scope (see the generated Endpoint.Scope)")
+	fs.StringVar(&k.Principal, "principal", "", "the caller (tenant, API key); \"\" for services with one principal")
+	fs.StringVar(&k.Key, "key", "", "the Idempotency-Key")
+	return &k
+}
+
+func needKey(fs *flag.FlagSet, k *admin.KeyRef) error {
+	seen := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { seen[f.Name] = true })
+	if k.Scope == "" || k.Key == "" || !seen["principal"] {
+		return usageError("--scope, --principal and --key are required (keys are scoped per principal; pass --principal '' for none)")
+	}
+	return nil
+}
+
+func (c *cli) printKey(k admin.KeyInfo) {
+	state := "completed (replayed to retries until it expires)"
+	if k.Expired {
+		state = "expired (the next request with it runs anew)"
+	}
+	c.printf("scope:       %s\nprincipal:   %s\nkey:         %s\nstate:       %s\nstatus:      %d\ncreated:     %s\nexpires:     %s\nfingerprint: %x\nheaders:     %s\nbody:        %s\n",
+		escape([]byte(k.Scope)), escape([]byte(k.Principal)), escape([]byte(k.Key)), state, k.StatusCode,
+		k.CreatedAt.UTC().Format(time.RFC3339), k.ExpiresAt.UTC().Format(time.RFC3339), k.Fingerprint,
+		escape(k.Headers), escape(k.Body))
+}
+
+func (c *cli) keysShow(args []string) error {
+	fs := flag.NewFlagSet("keys show", flag.ContinueOnError)
+	k := keyFlags(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := needKey(fs, k); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	info, err := a.Key(c.ctx, *k)
+	if err != nil {
+		return err
+	}
+	c.printKey(info)
+	return nil
+}
+
+func (c *cli) keysRelease(args []string) error {
+	fs := flag.NewFlagSet("keys release", flag.ContinueOnError)
+	k := keyFlags(fs)
+	yes := fs.Bool("yes", false, "do it (without: dry run)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := needKey(fs, k); err != nil {
+		return err
+	}
+	a, err := c.admin()
+	if err != nil {
+		return err
+	}
+	if !*yes {
+		info, err := a.Key(c.ctx, *k)
+		if errors.Is(err, admin.ErrNotFound) {
+			c.printf("dry run: no stored key %s; nothing to release\n", k)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		what := "a completed key: its stored response is dropped and the next request with it runs the handler again"
+		if info.Expired {
+			what = "an expired key"
+		}
+		c.printf("dry run: would release %s, %s; run again with --yes\n", k, what)
+		return nil
+	}
+	err = a.ReleaseKey(c.ctx, *k)
+	if errors.Is(err, admin.ErrNotFound) {
+		c.printf("no stored key %s; nothing to release\n", k)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	c.printf("released %s\n", k)
+	return nil
+}
+
+// escape renders bytes for a terminal: valid UTF-8 as a Go-quoted string
+// (control characters, escape sequences and invisible format characters
+// such as bidi overrides become \x.. or \u.... escapes), anything else as
+// hex. Nothing read from the database reaches the terminal raw.
+func escape(b []byte) string {
+	if b == nil {
+		return "<null>"
+	}
+	if utf8.Valid(b) {
+		return strconv.Quote(string(b))
+	}
+	return fmt.Sprintf("hex:%x", b)
+}

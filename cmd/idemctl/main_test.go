@@ -1,0 +1,206 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net/url"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/rogpeppe/go-internal/testscript"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// TestMain lets the test binary act as idemctl inside scripts, so `exec
+// idemctl` runs the real main, exit codes included.
+func TestMain(m *testing.M) {
+	testscript.Main(m, map[string]func(){
+		"idemctl": main,
+	})
+}
+
+// TestScripts runs testdata/script/*.txtar against real PostgreSQL: each
+// script gets its own schema (with idemgen's tables) through DATABASE_URL's
+// search_path, and its own in-process Kafka (kfake) at KAFKA_BROKERS with
+// the topic orders.confirmed.
+func TestScripts(t *testing.T) {
+	testscript.Run(t, testscript.Params{
+		Dir: "testdata/script",
+		Setup: func(env *testscript.Env) error {
+			dbURL, drop, err := newSchema()
+			if err != nil {
+				return err
+			}
+			env.Defer(drop)
+			env.Setenv("DATABASE_URL", dbURL)
+			cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.confirmed"))
+			if err != nil {
+				return err
+			}
+			env.Defer(cluster.Close)
+			env.Setenv("KAFKA_BROKERS", strings.Join(cluster.ListenAddrs(), ","))
+			return nil
+		},
+		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){
+			"sql":      cmdSQL,
+			"holdkey":  cmdHoldKey,
+			"kconsume": cmdKConsume,
+		},
+	})
+}
+
+// newSchema creates a schema with idemgen's tables and returns a URL whose
+// search_path selects it, and a function that drops it.
+func newSchema() (string, func(), error) {
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, pgtest.BaseURL())
+	if err != nil {
+		return "", nil, fmt.Errorf("connect to PostgreSQL (set DATABASE_URL): %w", err)
+	}
+	defer conn.Close(ctx)
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	name := "t_" + hex.EncodeToString(b)
+	if _, err := conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return "", nil, err
+	}
+	drop := func() {
+		conn, err := pgx.Connect(context.Background(), pgtest.BaseURL())
+		if err != nil {
+			return
+		}
+		defer conn.Close(context.Background())
+		_, _ = conn.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{name}.Sanitize()+" CASCADE")
+	}
+	u, err := url.Parse(pgtest.BaseURL())
+	if err != nil {
+		return "", drop, err
+	}
+	q := u.Query()
+	q.Set("search_path", name)
+	u.RawQuery = q.Encode()
+	pool, err := pgxpool.New(ctx, u.String())
+	if err != nil {
+		return "", drop, err
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		return "", drop, err
+	}
+	return u.String(), drop, nil
+}
+
+// cmdSQL runs "sql STATEMENT" in the script's schema and prints the result
+// rows, one per line, values separated by spaces.
+func cmdSQL(ts *testscript.TestScript, neg bool, args []string) {
+	if len(args) != 1 {
+		ts.Fatalf("usage: sql STATEMENT")
+	}
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, ts.Getenv("DATABASE_URL"))
+	if err != nil {
+		ts.Fatalf("sql: %v", err)
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, args[0])
+	if err == nil {
+		for rows.Next() {
+			vals, err := rows.Values()
+			if err != nil {
+				ts.Fatalf("sql: %v", err)
+			}
+			s := make([]string, len(vals))
+			for i, v := range vals {
+				s[i] = fmt.Sprint(v)
+			}
+			fmt.Fprintln(ts.Stdout(), strings.Join(s, " "))
+		}
+		rows.Close()
+		err = rows.Err()
+	}
+	if (err != nil) != neg {
+		ts.Fatalf("sql %q: %v", args[0], err)
+	}
+}
+
+// cmdHoldKey runs "holdkey SCOPE PRINCIPAL KEY": a request in flight on an
+// expired key, as the HTTP engine runs it — a transaction that has claimed
+// (taken over) the key row and not yet committed. The transaction stays open
+// until the script ends.
+func cmdHoldKey(ts *testscript.TestScript, neg bool, args []string) {
+	if neg || len(args) != 3 {
+		ts.Fatalf("usage: holdkey SCOPE PRINCIPAL KEY")
+	}
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, ts.Getenv("DATABASE_URL"))
+	if err != nil {
+		ts.Fatalf("holdkey: %v", err)
+	}
+	ts.Defer(func() { conn.Close(context.Background()) })
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		ts.Fatalf("holdkey: %v", err)
+	}
+	tag, err := tx.Exec(ctx, `UPDATE idem_keys SET expires_at = now() + interval '1 hour'
+		WHERE scope = $1 AND principal = $2 AND key = $3`, args[0], args[1], args[2])
+	if err != nil || tag.RowsAffected() != 1 {
+		ts.Fatalf("holdkey: claim: %v (%d rows)", err, tag.RowsAffected())
+	}
+}
+
+// cmdKConsume runs "kconsume TOPIC N": reads the first N records of TOPIC
+// and prints each one's key, value and headers, Go-quoted.
+func cmdKConsume(ts *testscript.TestScript, neg bool, args []string) {
+	if neg || len(args) != 2 {
+		ts.Fatalf("usage: kconsume TOPIC N")
+	}
+	var n int
+	if _, err := fmt.Sscan(args[1], &n); err != nil {
+		ts.Fatalf("kconsume: %v", err)
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(ts.Getenv("KAFKA_BROKERS"), ",")...),
+		kgo.ConsumeTopics(args[0]), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		ts.Fatalf("kconsume: %v", err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for got := 0; got < n; {
+		fetches := cl.PollFetches(ctx)
+		if ctx.Err() != nil {
+			ts.Fatalf("kconsume: %d of %d records after 10s", got, n)
+		}
+		fetches.EachRecord(func(r *kgo.Record) {
+			got++
+			fmt.Fprintf(ts.Stdout(), "record key=%q value=%q\n", r.Key, r.Value)
+			for _, h := range r.Headers {
+				fmt.Fprintf(ts.Stdout(), "  header %q=%q\n", h.Key, h.Value)
+			}
+		})
+	}
+}
+
+// TestNoGeneratorDependencies: idemctl is the operator's binary and must not
+// link the generator's golang.org/x/tools (see the package comment).
+func TestNoGeneratorDependencies(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", ".").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dep := range strings.Fields(string(out)) {
+		if strings.HasPrefix(dep, "golang.org/x/tools") || strings.HasPrefix(dep, "github.com/idemgen/idemgen/generator") {
+			t.Errorf("idemctl links %s", dep)
+		}
+	}
+}

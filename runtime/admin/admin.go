@@ -1,0 +1,422 @@
+// Package admin is the operator's API over idemgen's tables: outbox status
+// and repair, dead letters, idempotency keys. cmd/idemctl is a thin command
+// line over it; services may also mount it behind their own admin endpoints.
+//
+// Every mutating method is idempotent (running it twice changes nothing the
+// second time) and never waits on a row a live request holds: it refuses
+// with ErrInFlight instead.
+package admin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/db"
+)
+
+// ErrNotFound: no such row (key, dead letter).
+var ErrNotFound = errors.New("not found")
+
+// ErrInFlight: a live transaction holds the row (a request is using the key
+// right now); the operation was refused rather than wait or interfere.
+var ErrInFlight = errors.New("in flight: a live transaction holds it")
+
+// Admin runs operator commands against one database (and schema: the
+// connection's search_path). It is safe for concurrent use.
+type Admin struct {
+	pool  *pgxpool.Pool
+	q     *db.Queries
+	store *idem.Store
+}
+
+// New returns an Admin on pool.
+func New(pool *pgxpool.Pool) *Admin {
+	return &Admin{pool: pool, q: db.New(pool), store: idem.NewStore(pool)}
+}
+
+// OutboxStatus is the outbox at a glance.
+type OutboxStatus struct {
+	// Rows per state.
+	Pending, Publishing, Published, Parked int64
+	// OldestPending is when the oldest PENDING row was enqueued (zero if
+	// none); OldestPendingAge is its age on the database's clock: the relay's
+	// lag.
+	OldestPending    time.Time
+	OldestPendingAge time.Duration
+	// Leader is the relay's leadership lease, or nil if no relay ever led.
+	Leader *RelayLeader
+}
+
+// RelayLeader is the relay's leadership lease (idem_relay_leader): which
+// relay holds it and until when. Live is false when the lease has expired
+// (the leader is gone or stuck, and a standby may take over).
+type RelayLeader struct {
+	Name       string
+	Holder     string
+	AcquiredAt time.Time
+	ExpiresAt  time.Time
+	Live       bool
+	// Remaining is how long the lease still runs, on the database's clock.
+	Remaining time.Duration
+}
+
+// OutboxStatus returns per-state counts, read from the outbox's partial
+// indexes rather than a scan of the table, the oldest pending row's age,
+// and the active relay.
+func (a *Admin) OutboxStatus(ctx context.Context) (OutboxStatus, error) {
+	row, err := a.q.OutboxStatus(ctx)
+	if err != nil {
+		return OutboxStatus{}, fmt.Errorf("outbox status: %w", err)
+	}
+	st := OutboxStatus{Pending: row.Pending, Publishing: row.Publishing, Published: row.Published, Parked: row.Parked}
+	if row.OldestPending.Valid {
+		st.OldestPending = row.OldestPending.Time
+		st.OldestPendingAge = row.Now.Time.Sub(row.OldestPending.Time)
+	}
+	leaders, err := a.q.RelayLeader(ctx)
+	if err != nil {
+		return st, fmt.Errorf("outbox status: relay leader: %w", err)
+	}
+	if len(leaders) > 0 {
+		l := leaders[0]
+		st.Leader = &RelayLeader{Name: l.Name, Holder: l.Holder, AcquiredAt: l.AcquiredAt.Time, ExpiresAt: l.ExpiresAt.Time,
+			Live: l.Live, Remaining: time.Duration(l.RemainingSeconds * float64(time.Second))}
+	}
+	return st, nil
+}
+
+// OutboxFilter selects outbox rows; zero fields match everything.
+type OutboxFilter struct {
+	ID    int64
+	Topic string
+}
+
+func (f OutboxFilter) params() (pgtype.Int8, pgtype.Text) {
+	return pgtype.Int8{Int64: f.ID, Valid: f.ID != 0}, pgtype.Text{String: f.Topic, Valid: f.Topic != ""}
+}
+
+// ParkedEvent is an outbox row the relay gave up on.
+type ParkedEvent struct {
+	ID        int64
+	EventID   string
+	Topic     string
+	Key       []byte
+	Attempts  int32
+	CreatedAt time.Time
+	LastError string
+}
+
+// ParkedEvents lists up to limit PARKED rows matching f, oldest first.
+func (a *Admin) ParkedEvents(ctx context.Context, f OutboxFilter, limit int) ([]ParkedEvent, error) {
+	id, topic := f.params()
+	rows, err := a.q.ListParkedOutbox(ctx, db.ListParkedOutboxParams{ID: id, Topic: topic, MaxRows: int32(limit)})
+	if err != nil {
+		return nil, fmt.Errorf("list parked outbox rows: %w", err)
+	}
+	out := make([]ParkedEvent, len(rows))
+	for i, r := range rows {
+		out[i] = ParkedEvent{ID: r.ID, EventID: r.EventID, Topic: r.Topic, Key: r.RecordKey, Attempts: r.Attempts, CreatedAt: r.CreatedAt.Time, LastError: r.LastError}
+	}
+	return out, nil
+}
+
+// RequeueParked returns the PARKED rows matching f to PENDING with a fresh
+// attempt budget and wakes the relay (idem.Store's RequeueParked*); it
+// returns how many. Their event ids are unchanged, so a consumer that did
+// receive an earlier attempt skips it.
+func (a *Admin) RequeueParked(ctx context.Context, f OutboxFilter) (int64, error) {
+	var n int64
+	var err error
+	switch {
+	case f.ID != 0 && f.Topic != "":
+		return 0, errors.New("requeue parked outbox rows: select by id or by topic, not both")
+	case f.ID != 0:
+		n, err = a.store.RequeueParked(ctx, f.ID)
+	case f.Topic != "":
+		n, err = a.store.RequeueParkedTopic(ctx, f.Topic)
+	default:
+		n, err = a.store.RequeueAllParked(ctx)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("requeue parked outbox rows: %w", err)
+	}
+	return n, nil
+}
+
+// Outbox states PurgeOutbox accepts.
+const (
+	StatusPublished = "PUBLISHED"
+	StatusParked    = "PARKED"
+)
+
+// CountOutboxBefore counts the rows PurgeOutbox(status, before) would delete:
+// PUBLISHED rows published before before, or PARKED rows enqueued before it.
+func (a *Admin) CountOutboxBefore(ctx context.Context, status string, before time.Time) (int64, error) {
+	if status != StatusPublished && status != StatusParked {
+		return 0, fmt.Errorf("count outbox rows: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
+	}
+	n, err := a.q.CountOutboxBefore(ctx, db.CountOutboxBeforeParams{Status: status, Before: ts(before)})
+	if err != nil {
+		return 0, fmt.Errorf("count %s outbox rows: %w", status, err)
+	}
+	return n, nil
+}
+
+// PurgeOutbox deletes PUBLISHED rows published before before, or PARKED rows
+// enqueued before it, in batches of batchSize each committed on its own,
+// and returns how many it deleted. Cancellation stops it between batches.
+func (a *Admin) PurgeOutbox(ctx context.Context, status string, before time.Time, batchSize int) (int64, error) {
+	if batchSize <= 0 {
+		return 0, errors.New("purge outbox: batch size must be positive")
+	}
+	var batch func() (int64, error)
+	switch status {
+	case StatusPublished:
+		batch = func() (int64, error) {
+			return a.q.DeletePublishedOutbox(ctx, db.DeletePublishedOutboxParams{Before: ts(before), BatchSize: int32(batchSize)})
+		}
+	case StatusParked:
+		batch = func() (int64, error) {
+			return a.q.DeleteParkedOutbox(ctx, db.DeleteParkedOutboxParams{Before: ts(before), BatchSize: int32(batchSize)})
+		}
+	default:
+		return 0, fmt.Errorf("purge outbox: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
+	}
+	var total int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		n, err := batch()
+		total += n
+		if err != nil {
+			return total, fmt.Errorf("purge %s outbox rows: %w", status, err)
+		}
+		if n < int64(batchSize) {
+			return total, nil
+		}
+	}
+}
+
+// DeadLetter is a record a consumer could not apply, kept raw.
+type DeadLetter struct {
+	ID        int64
+	Context   string // the consumer context that failed it
+	Topic     string
+	Partition int32
+	Offset    int64
+	// Key and Value are nil for a null key or value.
+	Key, Value []byte
+	ValueLen   int64
+	// Headers in delivery order, repeated names kept.
+	Headers   []Header
+	Attempts  int32
+	LastError string
+	CreatedAt time.Time
+	// ReplayedAt is when it was replayed (re-produced and acked, or applied
+	// in place by idem.Processor.ReplayDeadLetter); zero while it is still a
+	// dead letter.
+	ReplayedAt time.Time
+}
+
+// Header is one record header, raw.
+type Header struct {
+	Key   string
+	Value []byte
+}
+
+// DeadLetterFilter selects dead letters; zero fields match everything.
+type DeadLetterFilter struct {
+	Context string
+	Topic   string
+	// IncludeReplayed lists replayed ones too (kept until retention).
+	IncludeReplayed bool
+}
+
+// DeadLetters lists up to limit dead letters matching f, oldest first,
+// without their key, value and headers (see DeadLetter for those).
+func (a *Admin) DeadLetters(ctx context.Context, f DeadLetterFilter, limit int) ([]DeadLetter, error) {
+	rows, err := a.q.ListDeadLetters(ctx, db.ListDeadLettersParams{
+		Context:         pgtype.Text{String: f.Context, Valid: f.Context != ""},
+		Topic:           pgtype.Text{String: f.Topic, Valid: f.Topic != ""},
+		IncludeReplayed: f.IncludeReplayed,
+		MaxRows:         int32(limit),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list dead letters: %w", err)
+	}
+	out := make([]DeadLetter, len(rows))
+	for i, r := range rows {
+		out[i] = DeadLetter{ID: r.ID, Context: r.Context, Topic: r.Topic, Partition: r.Kpartition, Offset: r.Koffset,
+			ValueLen: r.ValueLen, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt.Time,
+			ReplayedAt: r.ReplayedAt.Time}
+	}
+	return out, nil
+}
+
+// DeadLetter returns dead letter id in full, or ErrNotFound.
+func (a *Admin) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
+	d, err := a.store.DeadLetter(ctx, id)
+	if errors.Is(err, idem.ErrDeadLetterNotFound) {
+		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return DeadLetter{}, err
+	}
+	out := DeadLetter{ID: d.ID, Context: d.Context, Topic: d.Record.Topic, Partition: d.Record.Partition,
+		Offset: d.Record.Offset, Key: d.Record.Key, Value: d.Record.Value, ValueLen: int64(len(d.Record.Value)),
+		Attempts: int32(d.Attempts), LastError: d.LastError, CreatedAt: d.CreatedAt, ReplayedAt: d.ReplayedAt}
+	for _, h := range d.Record.Headers {
+		out.Headers = append(out.Headers, Header{Key: h.Key, Value: h.Value})
+	}
+	return out, nil
+}
+
+// DiscardDeadLetter deletes dead letter id. It reports whether there was
+// one: discarding twice is not an error.
+func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
+	n, err := a.q.DeleteDeadLetter(ctx, id)
+	if err != nil {
+		return false, fmt.Errorf("discard dead letter %d: %w", id, err)
+	}
+	return n > 0, nil
+}
+
+// Producer produces a dead letter's record (topic, key, value, headers) to
+// the broker and returns only once the broker acknowledged it.
+type Producer func(ctx context.Context, d DeadLetter) error
+
+// ReplayDeadLetter re-produces dead letter id to its topic with produce and
+// marks it replayed once the broker acknowledged. The record keeps its key
+// (so its partition, with the default partitioner) and its headers in order,
+// among them idem-event-id, so it goes through the consumers' ordinary
+// exactly-once path: the failed context applies it, and contexts that had
+// applied it skip it as a duplicate. (A service that wants to re-process in
+// place, without the broker, uses idem.Processor.ReplayDeadLetter.)
+//
+// The mark is written first and committed only after the ack: it locks the
+// row, so two operators replaying it at once produce it once, and a failed
+// produce rolls the mark back. If the process dies between the ack and the
+// commit, the dead letter is still unreplayed and a second replay produces
+// it again; consumers deduplicate that by event id. It returns false if
+// there is no such dead letter or it was replayed already.
+func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer) (bool, error) {
+	tx, err := a.pool.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("replay dead letter %d: begin: %w", id, err)
+	}
+	defer rollback(ctx, tx)
+	n, err := db.New(tx).MarkDeadLetterReplayed(ctx, id)
+	if err != nil {
+		return false, fmt.Errorf("replay dead letter %d: mark: %w", id, err)
+	}
+	if n == 0 {
+		return false, nil
+	}
+	// The row's bytes never change; reading them outside tx is the same read.
+	d, err := a.DeadLetter(ctx, id)
+	if err != nil {
+		return false, fmt.Errorf("replay: %w", err)
+	}
+	if err := produce(ctx, d); err != nil {
+		return false, fmt.Errorf("replay dead letter %d: produce to %s partition-key %q: %w", id, d.Topic, d.Key, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return false, fmt.Errorf("replay dead letter %d: produced, but marking it replayed failed (a second replay is deduplicated by event id): %w", id, err)
+	}
+	return true, nil
+}
+
+// KeyRef names an idempotency key: keys are scoped per endpoint (Scope) and
+// per caller (Principal), and an operator must name both.
+type KeyRef struct {
+	Scope, Principal, Key string
+}
+
+func (k KeyRef) String() string {
+	return fmt.Sprintf("scope=%q principal=%q key=%q", k.Scope, k.Principal, k.Key)
+}
+
+// KeyInfo is a stored idempotency key.
+type KeyInfo struct {
+	KeyRef
+	Fingerprint []byte
+	StatusCode  int32
+	Headers     []byte // JSON
+	Body        []byte
+	CreatedAt   time.Time
+	ExpiresAt   time.Time
+	// Expired: the key is no longer replayed; the next request with it runs
+	// anew.
+	Expired bool
+}
+
+// Key returns the key named ref. It returns ErrNotFound if there is no
+// stored key (a first request still in flight stores nothing visible until
+// it commits) and ErrInFlight if a request is taking over the expired key
+// right now.
+func (a *Admin) Key(ctx context.Context, ref KeyRef) (KeyInfo, error) {
+	var info KeyInfo
+	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+		r, err := db.New(tx).AdminGetKey(ctx, db.AdminGetKeyParams{Scope: ref.Scope, Principal: ref.Principal, Key: ref.Key})
+		if err != nil {
+			return err
+		}
+		info = KeyInfo{KeyRef: ref, Fingerprint: r.Fingerprint, StatusCode: r.StatusCode, Headers: r.Headers, Body: r.Body,
+			CreatedAt: r.CreatedAt.Time, ExpiresAt: r.ExpiresAt.Time, Expired: r.Expired}
+		return nil
+	})
+	if err != nil {
+		return KeyInfo{}, fmt.Errorf("key %s: %w", ref, keyErr(err))
+	}
+	return info, nil
+}
+
+// ReleaseKey deletes the stored key named ref, so the next request with it
+// runs anew. A key a live transaction holds (a request in flight on it) is
+// refused with ErrInFlight: the row is locked with NOWAIT, never waited on.
+// A missing key is ErrNotFound, so releasing twice is harmless.
+func (a *Admin) ReleaseKey(ctx context.Context, ref KeyRef) error {
+	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+		q := db.New(tx)
+		p := db.LockKeyNowaitParams{Scope: ref.Scope, Principal: ref.Principal, Key: ref.Key}
+		if _, err := q.LockKeyNowait(ctx, p); err != nil {
+			return err
+		}
+		_, err := q.DeleteKey(ctx, db.DeleteKeyParams(p))
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("release key %s: %w", ref, keyErr(err))
+	}
+	return nil
+}
+
+// keyErr maps "no row" and "row locked" to ErrNotFound and ErrInFlight.
+func keyErr(err error) error {
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return ErrNotFound
+	case errors.As(err, &pgErr) && pgErr.Code == "55P03": // lock_not_available
+		return ErrInFlight
+	}
+	return err
+}
+
+func ts(t time.Time) pgtype.Timestamptz { return pgtype.Timestamptz{Time: t, Valid: true} }
+
+// rollback ends tx if it did not commit, even when ctx is cancelled.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}

@@ -1,0 +1,194 @@
+package admin_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/admin"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+func migrated(t *testing.T, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	pool := pgtest.PoolConfig(t, configure)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
+// TestOutboxStatus: counts per state and the oldest pending row's age, and
+// the statement reads only partial indexes: with sequential scans priced
+// out, its plan has none on idem_outbox (a status page must not scan a
+// table of millions of published rows).
+func TestOutboxStatus(t *testing.T) {
+	var mu sync.Mutex
+	var statusSQL string
+	pool := migrated(t, func(c *pgxpool.Config) {
+		c.ConnConfig.Tracer = tracer(func(sql string) {
+			if strings.Contains(sql, "name: OutboxStatus") {
+				mu.Lock()
+				statusSQL = sql
+				mu.Unlock()
+			}
+		})
+	})
+	pgtest.Exec(t, pool, `
+INSERT INTO idem_outbox (topic, payload, status, created_at) SELECT 't', '', 'PENDING', now() - interval '10 minutes' + g * interval '1 second' FROM generate_series(1, 3) g;
+INSERT INTO idem_outbox (topic, payload, status, published_at) SELECT 't', '', 'PUBLISHED', now() FROM generate_series(1, 500) g;
+INSERT INTO idem_outbox (topic, payload, status, last_error) VALUES ('t', '', 'PARKED', 'x');
+ANALYZE idem_outbox;`)
+	st, err := admin.New(pool).OutboxStatus(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Pending != 3 || st.Published != 500 || st.Parked != 1 || st.Publishing != 0 {
+		t.Errorf("status = %+v", st)
+	}
+	if st.OldestPendingAge < 9*time.Minute || st.OldestPendingAge > 10*time.Minute {
+		t.Errorf("oldest pending age = %v, want ~9m59s", st.OldestPendingAge)
+	}
+	if st.Leader != nil {
+		t.Errorf("leader = %+v with no relay running", st.Leader)
+	}
+
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `SET LOCAL enable_seqscan = off`); err != nil {
+		t.Fatal(err)
+	}
+	var plan []byte
+	if err := tx.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+statusSQL).Scan(&plan); err != nil {
+		t.Fatal(err)
+	}
+	var nodes []map[string]any
+	var walk func(n map[string]any)
+	walk = func(n map[string]any) {
+		nodes = append(nodes, n)
+		if ps, ok := n["Plans"].([]any); ok {
+			for _, p := range ps {
+				walk(p.(map[string]any))
+			}
+		}
+	}
+	var top []map[string]any
+	if err := json.Unmarshal(plan, &top); err != nil {
+		t.Fatal(err)
+	}
+	walk(top[0]["Plan"].(map[string]any))
+	indexes := map[string]bool{}
+	for _, n := range nodes {
+		if n["Node Type"] == "Seq Scan" {
+			t.Errorf("outbox status scans %v sequentially", n["Relation Name"])
+		}
+		if name, ok := n["Index Name"].(string); ok {
+			indexes[name] = true
+		}
+	}
+	for _, want := range []string{"idem_outbox_pending", "idem_outbox_publishing", "idem_outbox_published", "idem_outbox_parked"} {
+		if !indexes[want] {
+			t.Errorf("outbox status does not read %s; reads %v", want, indexes)
+		}
+	}
+}
+
+// TestReplayDeadLetter: a failed produce leaves the dead letter unreplayed;
+// two operators replaying the same dead letter at once produce it once (the
+// row is locked during the produce); after the ack it is marked replayed and
+// a further replay does nothing.
+func TestReplayDeadLetter(t *testing.T) {
+	pool := migrated(t, nil)
+	pgtest.Exec(t, pool, `INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-7'::bytea], 5, 'boom')`)
+	a := admin.New(pool)
+	ctx := context.Background()
+	id := pgtest.Count(t, pool, `SELECT id FROM idem_dead_letters`)
+
+	brokerDown := errors.New("broker down")
+	if _, err := a.ReplayDeadLetter(ctx, id, func(context.Context, admin.DeadLetter) error { return brokerDown }); !errors.Is(err, brokerDown) {
+		t.Fatalf("err = %v, want the produce error", err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE replayed_at IS NULL`); n != 1 {
+		t.Fatal("a failed replay marked the dead letter replayed")
+	}
+
+	var produced atomic.Int32
+	var got admin.DeadLetter
+	entered := make(chan struct{})
+	release := make(chan struct{})
+	produce := func(_ context.Context, d admin.DeadLetter) error {
+		if produced.Add(1) == 1 {
+			close(entered)
+			<-release // hold the row while the second replay starts
+		}
+		got = d
+		return nil
+	}
+	results := make(chan bool, 2)
+	go func() {
+		ok, err := a.ReplayDeadLetter(ctx, id, produce)
+		if err != nil {
+			t.Error(err)
+		}
+		results <- ok
+	}()
+	<-entered
+	go func() {
+		ok, err := a.ReplayDeadLetter(ctx, id, produce)
+		if err != nil {
+			t.Error(err)
+		}
+		results <- ok
+	}()
+	// The second replay is blocked on the row lock (not producing).
+	waitBlocked(t, pool)
+	close(release)
+	first, second := <-results, <-results
+	if !(first != second) || produced.Load() != 1 {
+		t.Fatalf("replays = %v, %v with %d produces; want exactly one replay to produce", first, second, produced.Load())
+	}
+	if string(got.Key) != "k" || string(got.Value) != "v" || len(got.Headers) != 1 || got.Headers[0].Key != idem.EventIDHeader || string(got.Headers[0].Value) != "ev-7" {
+		t.Errorf("produced %+v, want the record with its key, value and event-id header", got)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE replayed_at IS NOT NULL`); n != 1 {
+		t.Error("the replayed dead letter is not marked replayed")
+	}
+	if ok, err := a.ReplayDeadLetter(ctx, id, produce); ok || err != nil || produced.Load() != 1 {
+		t.Errorf("replaying a replayed dead letter: %v, %v, %d produces; want nothing done", ok, err, produced.Load())
+	}
+}
+
+// waitBlocked waits until some session of the test's database waits on a lock.
+func waitBlocked(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%MarkDeadLetterReplayed%'`) > 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatal("the second replay never waited on the row lock")
+}
+
+type tracer func(sql string)
+
+func (f tracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	f(d.SQL)
+	return ctx
+}
+func (f tracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
