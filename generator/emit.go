@@ -3,58 +3,143 @@ package generator
 import (
 	"bytes"
 	"fmt"
+	"go/ast"
+	"go/format"
+	"go/parser"
 	"go/token"
 	"go/types"
+	"sort"
+	"strconv"
+	"strings"
 	"time"
 	"unicode"
 
 	"github.com/dave/jennifer/jen"
 )
 
-// emitter renders one package's idem_gen.go.
+// emitter renders one generated file: the functions and types of one group
+// of a package.
 type emitter struct {
-	m   *pkgModel
-	f   *jen.File
-	err error // the first type that cannot be rendered
+	m *pkgModel
+	g *group
+	f *jen.File
+
+	// aliases maps an import path to the name generated code uses for it:
+	// the package's own name unless that is taken by a package-level
+	// declaration or a local of the generated code, then an alias.
+	aliases map[string]string
+	// locals are the names of the generated functions' parameters, chosen
+	// not to shadow any package-level name or import the code refers to.
+	locals map[string]string
 }
 
-// emit returns the formatted source of m's generated file. If gofmt rejects
+// Local names the generated functions use, before renaming to avoid clashes.
+var localNames = []string{"h", "mux", "ctx", "tx", "ev", "recv"}
+
+// emit returns the formatted source of g's generated file. If gofmt rejects
 // the output (a generator bug), it returns the raw source and the error.
-func emit(m *pkgModel) ([]byte, error) {
-	e := &emitter{m: m, f: jen.NewFilePathName(m.path, m.name)}
+func emit(m *pkgModel, g *group) ([]byte, error) {
+	e := &emitter{m: m, g: g, f: jen.NewFilePathName(m.path, m.name), aliases: map[string]string{}, locals: map[string]string{}}
 	e.f.HeaderComment(Header)
-	e.f.ImportName("context", "context")
-	e.f.ImportName("net/http", "http")
-	e.f.ImportName("time", "time")
-	e.f.ImportName(pgxPath, "pgx")
-	e.f.ImportName("fmt", "fmt")
-	e.f.ImportName("strconv", "strconv")
-	e.f.ImportName(runtimePath, "idem")
+	taken := func(name string) bool {
+		return m.scope.Lookup(name) != nil || m.imports[name] || token.IsKeyword(name)
+	}
+	for _, l := range localNames {
+		name := l
+		for i := 2; taken(name) || e.isLocal(name) || generatedImport[name]; i++ {
+			name = l + strconv.Itoa(i)
+		}
+		e.locals[l] = name
+	}
 
 	e.guards()
-	for _, h := range m.https {
+	for _, h := range g.https {
 		e.httpHandler(h)
 	}
 	e.registerRoutes()
-	for _, c := range m.consumes {
+	for _, c := range g.consumes {
 		e.consumer(c)
 	}
 	e.consumerList()
-	for _, t := range m.outboxes {
+	for _, t := range g.outboxes {
 		e.enqueue(t)
 	}
-	if e.err != nil {
-		return nil, e.err
-	}
 
+	// jennifer renders unformatted; finish formats once, after regrouping
+	// the imports.
 	var buf bytes.Buffer
+	e.f.NoFormat = true
 	if err := e.f.Render(&buf); err != nil {
-		buf.Reset()
-		e.f.NoFormat = true
-		_ = e.f.Render(&buf)
+		return buf.Bytes(), fmt.Errorf("render generated code for %s (an idemgen bug): %w", m.path, err)
+	}
+	src, err := finish(buf.Bytes(), g.buildLine())
+	if err != nil {
 		return buf.Bytes(), fmt.Errorf("generated code for %s does not gofmt (an idemgen bug): %w", m.path, err)
 	}
-	return buf.Bytes(), nil
+	return src, nil
+}
+
+func (e *emitter) isLocal(name string) bool {
+	for _, v := range e.locals {
+		if v == name {
+			return true
+		}
+	}
+	return false
+}
+
+// generatedImport names the packages generated code itself imports; locals
+// never take these names.
+var generatedImport = map[string]bool{"context": true, "http": true, "time": true, "pgx": true, "strconv": true, "idem": true}
+
+// Import paths generated code uses.
+const (
+	contextPath = "context"
+	httpPath    = "net/http"
+	timePath    = "time"
+	strconvPath = "strconv"
+)
+
+// qual refers to name in the package at path, importing it under its own
+// name, or under an alias if a package-level declaration (type http
+// struct{}) or another import already uses that name.
+func (e *emitter) qual(path, pkgName, name string) *jen.Statement {
+	if path == e.m.path {
+		return jen.Id(name)
+	}
+	if _, ok := e.aliases[path]; !ok {
+		alias := pkgName
+		used := func(a string) bool {
+			if e.m.scope.Lookup(a) != nil || e.isLocal(a) || token.IsKeyword(a) {
+				return true
+			}
+			for _, other := range e.aliases {
+				if other == a {
+					return true
+				}
+			}
+			return false
+		}
+		for i := 2; used(alias); i++ {
+			alias = pkgName + "pkg"
+			if i > 2 {
+				alias += strconv.Itoa(i - 1)
+			}
+		}
+		e.aliases[path] = alias
+		if alias == pkgName {
+			e.f.ImportName(path, pkgName)
+		} else {
+			e.f.ImportAlias(path, alias)
+		}
+	}
+	return jen.Qual(path, name)
+}
+
+func (e *emitter) ctxType() *jen.Statement { return e.qual(contextPath, "context", "Context") }
+func (e *emitter) txType() *jen.Statement  { return e.qual(pgxPath, "pgx", "Tx") }
+func (e *emitter) idem(name string) *jen.Statement {
+	return e.qual(runtimePath, "idem", name)
 }
 
 // guards emits one compile-time assertion per wrapped function:
@@ -69,7 +154,7 @@ func emit(m *pkgModel) ([]byte, error) {
 func (e *emitter) guards() {
 	var defs []jen.Code
 	guard := func(w *wrapped, arg types.Type, results ...jen.Code) {
-		params := []jen.Code{jen.Qual("context", "Context"), jen.Qual(pgxPath, "Tx"), e.typ(arg)}
+		params := []jen.Code{e.ctxType(), e.txType(), e.typ(arg)}
 		expr := jen.Id(w.name)
 		if w.recv != nil {
 			params = append([]jen.Code{e.recvType(w)}, params...)
@@ -81,57 +166,60 @@ func (e *emitter) guards() {
 		}
 		defs = append(defs, jen.Id("_").Func().Params(params...).Params(results...).Op("=").Add(expr))
 	}
-	for _, h := range e.m.https {
+	for _, h := range e.g.https {
 		guard(&h.wrapped, h.req, e.typ(h.resp), jen.Error())
 	}
-	for _, c := range e.m.consumes {
+	for _, c := range e.g.consumes {
 		guard(&c.wrapped, c.event, jen.Error())
 	}
 	if len(defs) == 0 {
 		return
 	}
 	e.f.Comment("The functions idemgen wrapped, with the shapes it generated code for. If one")
-	e.f.Comment("changes, this file stops compiling here: run go generate again.")
+	e.f.Comment("changes, this file stops compiling here: run idemgen again.")
 	e.f.Var().Defs(defs...)
 }
 
-// httpHandler emits the constructor of one //idem:http handler:
+// httpHandler emits the constructor of one //idem:http handler, with only
+// the options the directive gives (the runtime owns the defaults):
 //
-//	// ChargeHandler serves POST /payments with (*PaymentService).Charge ...
+//	// ChargeHandler serves POST /payments with (*PaymentService).Charge, once per idempotency key.
 //	func (s *PaymentService) ChargeHandler(h *idem.HTTP) http.Handler {
-//		return idem.Handle(h, idem.Endpoint{Scope: "...", ...}, s.Charge)
+//		return idem.Handle(h, idem.Endpoint{Scope: "...", Route: "POST /payments"}, s.Charge)
 //	}
 func (e *emitter) httpHandler(h *httpFunc) {
-	hParam := "h"
-	recv := recvVar(&h.wrapped, hParam)
-	what := e.describe(&h.wrapped)
+	hParam := e.locals["h"]
+	recv := e.recvVar(&h.wrapped)
 	serves := "serves requests"
 	if h.route != "" {
 		serves = "serves " + h.route
 	}
 	e.f.Line()
-	e.f.Commentf("%s %s with %s.", h.handlerName(), serves, what)
-	e.f.Commentf("Each %s value runs it once: the key claim, the call and the stored", h.header)
-	e.f.Comment("response commit in one transaction, and a repeated request replays the")
-	e.f.Comment("stored response without calling it.")
+	e.f.Commentf("%s %s with %s, once per idempotency key.", h.handlerName(), serves, e.describe(&h.wrapped))
 
 	field := func(name string, value jen.Code) jen.Code { return jen.Id(name).Op(":").Add(value) }
 	fields := []jen.Code{field("Scope", jen.Lit(h.scope))}
 	if h.route != "" {
 		fields = append(fields, field("Route", jen.Lit(h.route)))
 	}
-	fields = append(fields,
-		field("Status", jen.Lit(h.status)),
-		field("TTL", duration(h.ttl)),
-		field("KeyHeader", jen.Lit(h.header)),
-	)
+	if h.status != 0 {
+		fields = append(fields, field("Status", jen.Lit(h.status)))
+	}
+	if h.ttl != 0 {
+		fields = append(fields, field("TTL", e.duration(h.ttl)))
+	}
+	if h.header != "" {
+		fields = append(fields, field("KeyHeader", jen.Lit(h.header)))
+	}
 	if h.keyOptional {
 		fields = append(fields, field("KeyOptional", jen.True()))
 	}
-	if h.wait == 0 {
-		fields = append(fields, field("NoWait", jen.True()))
-	} else {
-		fields = append(fields, field("Wait", duration(h.wait)))
+	if h.wait != nil {
+		if *h.wait == 0 {
+			fields = append(fields, field("NoWait", jen.True()))
+		} else {
+			fields = append(fields, field("Wait", e.duration(*h.wait)))
+		}
 	}
 
 	fn := jen.Id(h.name)
@@ -140,10 +228,10 @@ func (e *emitter) httpHandler(h *httpFunc) {
 		fn = jen.Id(recv).Dot(h.name)
 		decl = decl.Params(jen.Id(recv).Add(e.recvType(&h.wrapped)))
 	}
-	decl.Id(h.handlerName()).Params(jen.Id(hParam).Op("*").Qual(runtimePath, "HTTP")).Qual("net/http", "Handler").Block(
-		jen.Return(jen.Qual(runtimePath, "Handle").Call(
+	decl.Id(h.handlerName()).Params(jen.Id(hParam).Op("*").Add(e.idem("HTTP"))).Add(e.qual(httpPath, "http", "Handler")).Block(
+		jen.Return(e.idem("Handle").Call(
 			jen.Id(hParam),
-			jen.Qual(runtimePath, "Endpoint").Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
+			e.idem("Endpoint").Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
 			fn,
 		)),
 	)
@@ -152,7 +240,7 @@ func (e *emitter) httpHandler(h *httpFunc) {
 
 // registerRoutes emits, when any function has a route:
 //
-//	// RegisterIdemRoutes registers ...
+//	// RegisterIdemRoutes registers every routed //idem:http handler of this package on mux.
 //	func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *PaymentService) {
 //		idem.HandleRoute(mux, "POST /payments", paymentService.ChargeHandler(h))
 //	}
@@ -160,29 +248,39 @@ func (e *emitter) httpHandler(h *httpFunc) {
 // with one parameter per receiver type, in order of first appearance
 // (HandleRoute answers a wrong method with a problem+json 405).
 func (e *emitter) registerRoutes() {
-	rp := newRecvParams("mux", "h")
+	mux, h := e.locals["mux"], e.locals["h"]
+	rp := e.newRecvParams()
 	var body []jen.Code
-	for _, h := range e.m.https {
-		if h.route == "" {
+	for _, f := range e.g.https {
+		if f.route == "" {
 			continue
 		}
-		body = append(body, jen.Qual(runtimePath, "HandleRoute").Call(jen.Id("mux"), jen.Lit(h.route), rp.target(&h.wrapped, h.handlerName()).Call(jen.Id("h"))))
+		body = append(body, e.idem("HandleRoute").Call(jen.Id(mux), jen.Lit(f.route), rp.target(&f.wrapped, f.handlerName()).Call(jen.Id(h))))
 	}
 	if len(body) == 0 {
 		return
 	}
 	params := append([]jen.Code{
-		jen.Id("mux").Op("*").Qual("net/http", "ServeMux"),
-		jen.Id("h").Op("*").Qual(runtimePath, "HTTP"),
+		jen.Id(mux).Op("*").Add(e.qual(httpPath, "http", "ServeMux")),
+		jen.Id(h).Op("*").Add(e.idem("HTTP")),
 	}, rp.params(e)...)
 	e.f.Line()
-	e.f.Commentf("%s registers every routed //idem:http handler of this package on mux.", registerName)
-	e.f.Func().Id(registerName).Params(params...).Block(body...)
+	e.f.Commentf("%s registers every routed //idem:http handler of %s on %s.", e.g.registerName, e.scopeDoc(), mux)
+	e.f.Func().Id(e.g.registerName).Params(params...).Block(body...)
+}
+
+// scopeDoc says which handlers a package-level generated function covers.
+func (e *emitter) scopeDoc() string {
+	if e.g.expr == nil {
+		return "this package"
+	}
+	return "this package's files built with " + e.g.expr.String()
 }
 
 // consumer emits the constructor of one //idem:consume handler:
 //
-//	// HandleOrderConfirmedConsumer consumes orders.confirmed with ...
+//	// HandleOrderConfirmedConsumer consumes orders.confirmed with (*Billing).HandleOrderConfirmed,
+//	// once per event id (ev.EventID) in context "billing".
 //	func (b *Billing) HandleOrderConfirmedConsumer() idem.EventHandler {
 //		return idem.Consume(idem.EventSpec[OrderConfirmed]{
 //			Topic:   "orders.confirmed",
@@ -191,22 +289,21 @@ func (e *emitter) registerRoutes() {
 //		}, b.HandleOrderConfirmed)
 //	}
 func (e *emitter) consumer(c *consumeFunc) {
-	recv := recvVar(&c.wrapped, "ev")
-	idFrom := fmt.Sprintf("the %s record header", "idem-event-id")
-	if c.idField != nil {
-		idFrom = "ev." + c.idField.name
-	}
+	recv := e.recvVar(&c.wrapped)
+	ev := e.locals["ev"]
 	e.f.Line()
-	e.f.Commentf("%s consumes %s with %s.", c.consumerName(), c.topic, e.describe(&c.wrapped))
-	e.f.Commentf("Each event id (%s) is applied once in context %q:", idFrom, c.context)
-	e.f.Comment("the processed-event row and the function's writes commit in one")
-	e.f.Comment("transaction, and a duplicate is skipped.")
+	e.f.Commentf("%s consumes %s with %s,", c.consumerName(), c.topic, e.describe(&c.wrapped))
+	if c.idField != nil {
+		e.f.Commentf("once per event id (ev.%s) in context %q.", c.idField.name, c.context)
+	} else {
+		e.f.Commentf("once per event id (record header idem.EventIDHeader) in context %q.", c.context)
+	}
 
 	field := func(name string, value jen.Code) jen.Code { return jen.Id(name).Op(":").Add(value) }
 	fields := []jen.Code{field("Topic", jen.Lit(c.topic)), field("Context", jen.Lit(c.context))}
 	if c.idField != nil {
-		fields = append(fields, field("EventID", jen.Func().Params(jen.Id("ev").Add(e.typ(c.event))).String().Block(
-			jen.Return(stringOf(jen.Id("ev").Dot(c.idField.name), c.idField.conv)),
+		fields = append(fields, field("EventID", jen.Func().Params(jen.Id(ev).Add(e.typ(c.event))).String().Block(
+			jen.Return(e.stringOf(jen.Id(ev).Dot(c.idField.name), c.idField)),
 		)))
 	}
 	if c.decode != "" {
@@ -218,73 +315,82 @@ func (e *emitter) consumer(c *consumeFunc) {
 		fn = jen.Id(recv).Dot(c.name)
 		decl = decl.Params(jen.Id(recv).Add(e.recvType(&c.wrapped)))
 	}
-	decl.Id(c.consumerName()).Params().Qual(runtimePath, "EventHandler").Block(
-		jen.Return(jen.Qual(runtimePath, "Consume").Call(
-			jen.Qual(runtimePath, "EventSpec").Types(e.typ(c.event)).Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
+	decl.Id(c.consumerName()).Params().Add(e.idem("EventHandler")).Block(
+		jen.Return(e.idem("Consume").Call(
+			e.idem("EventSpec").Types(e.typ(c.event)).Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, fields...),
 			fn,
 		)),
 	)
 	e.f.Add(decl)
 }
 
-// consumerList emits, when the package has consumers:
+// consumerList emits, when the group has consumers:
 //
-//	// IdemConsumers returns every //idem:consume handler of this package ...
+//	// IdemConsumers returns every //idem:consume handler of this package, for kafka.ConsumerConfig.Handlers.
 //	func IdemConsumers(billing *Billing) []idem.EventHandler {
 //		return []idem.EventHandler{billing.HandleOrderConfirmedConsumer()}
 //	}
 func (e *emitter) consumerList() {
-	if len(e.m.consumes) == 0 {
+	if len(e.g.consumes) == 0 {
 		return
 	}
-	rp := newRecvParams()
+	rp := e.newRecvParams()
 	var items []jen.Code
-	for _, c := range e.m.consumes {
+	for _, c := range e.g.consumes {
 		items = append(items, rp.target(&c.wrapped, c.consumerName()).Call())
 	}
 	e.f.Line()
-	e.f.Commentf("%s returns every //idem:consume handler of this package, for", consumersName)
-	e.f.Comment("kafka.ConsumerConfig.Handlers (github.com/idemgen/idemgen/runtime/kafka).")
-	e.f.Func().Id(consumersName).Params(rp.params(e)...).Index().Qual(runtimePath, "EventHandler").Block(
-		jen.Return(jen.Index().Qual(runtimePath, "EventHandler").Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, items...)),
+	e.f.Commentf("%s returns every //idem:consume handler of %s, for kafka.ConsumerConfig.Handlers.", e.g.consumersName, e.scopeDoc())
+	e.f.Func().Id(e.g.consumersName).Params(rp.params(e)...).Index().Add(e.idem("EventHandler")).Block(
+		jen.Return(jen.Index().Add(e.idem("EventHandler")).Custom(jen.Options{Open: "{", Close: "}", Separator: ",", Multi: true}, items...)),
 	)
 }
 
 // enqueue emits the outbox function of one //idem:outbox type:
 //
-//	// EnqueuePaymentCharged adds ev to the outbox in tx ...
+//	// EnqueuePaymentCharged adds ev to the outbox in tx for topic billing.charged, keyed by ev.OrderID.
 //	func EnqueuePaymentCharged(ctx context.Context, tx pgx.Tx, ev PaymentCharged) error {
 //		return idem.Enqueue(ctx, tx, "billing.charged", ev.OrderID, ev)
 //	}
 func (e *emitter) enqueue(t *outboxType) {
+	ctx, tx, ev := e.locals["ctx"], e.locals["tx"], e.locals["ev"]
 	var key jen.Code = jen.Lit("")
-	keyDoc := "no partition key"
+	keyDoc := "without a partition key"
 	if t.keyField != nil {
-		key = stringOf(jen.Id("ev").Dot(t.keyField.name), t.keyField.conv)
-		keyDoc = "partition key ev." + t.keyField.name
+		key = e.stringOf(jen.Id(ev).Dot(t.keyField.name), t.keyField)
+		keyDoc = "keyed by " + ev + "." + t.keyField.name
 	}
 	e.f.Line()
-	e.f.Commentf("%s adds ev to the outbox in tx, for topic %s,", t.enqueueName(), t.topic)
-	e.f.Commentf("%s. The relay publishes it after tx commits, and never", keyDoc)
-	e.f.Comment("if tx rolls back.")
+	e.f.Commentf("%s adds %s to the outbox in %s for topic %s, %s.", t.enqueueName(), ev, tx, t.topic, keyDoc)
 	e.f.Func().Id(t.enqueueName()).Params(
-		jen.Id("ctx").Qual("context", "Context"),
-		jen.Id("tx").Qual(pgxPath, "Tx"),
-		jen.Id("ev").Add(e.typ(t.typ)),
+		jen.Id(ctx).Add(e.ctxType()),
+		jen.Id(tx).Add(e.txType()),
+		jen.Id(ev).Add(e.typ(t.typ)),
 	).Error().Block(
-		jen.Return(jen.Qual(runtimePath, "Enqueue").Call(jen.Id("ctx"), jen.Id("tx"), jen.Lit(t.topic), key, jen.Id("ev"))),
+		jen.Return(e.idem("Enqueue").Call(jen.Id(ctx), jen.Id(tx), jen.Lit(t.topic), key, jen.Id(ev))),
 	)
 }
 
-// stringOf renders v as a string expression according to conv.
-func stringOf(v *jen.Statement, conv fieldConv) jen.Code {
-	switch conv {
+// stringOf renders v, the field f, as a string expression, converting only
+// where the types need it: strconv.Itoa(v) for an int,
+// strconv.FormatInt(int64(v), 10) for a named integer type.
+func (e *emitter) stringOf(v *jen.Statement, f *fieldRef) jen.Code {
+	switch f.conv {
 	case convStringer:
 		return v.Dot("String").Call()
 	case convInt:
-		return jen.Qual("strconv", "FormatInt").Call(jen.Int64().Call(v), jen.Lit(10))
+		switch {
+		case types.Identical(f.typ, types.Typ[types.Int]):
+			return e.qual(strconvPath, "strconv", "Itoa").Call(v)
+		case types.Identical(f.typ, types.Typ[types.Int64]):
+			return e.qual(strconvPath, "strconv", "FormatInt").Call(v, jen.Lit(10))
+		}
+		return e.qual(strconvPath, "strconv", "FormatInt").Call(jen.Int64().Call(v), jen.Lit(10))
 	case convUint:
-		return jen.Qual("strconv", "FormatUint").Call(jen.Uint64().Call(v), jen.Lit(10))
+		if types.Identical(f.typ, types.Typ[types.Uint64]) {
+			return e.qual(strconvPath, "strconv", "FormatUint").Call(v, jen.Lit(10))
+		}
+		return e.qual(strconvPath, "strconv", "FormatUint").Call(jen.Uint64().Call(v), jen.Lit(10))
 	case convIdentity:
 		return v
 	default:
@@ -297,7 +403,8 @@ func stringOf(v *jen.Statement, conv fieldConv) jen.Code {
 type recvParams struct {
 	list   []*recvParam
 	byType map[*types.Named]*recvParam
-	taken  map[string]bool
+	taken  func(string) bool
+	names  map[string]bool
 }
 
 type recvParam struct {
@@ -306,10 +413,18 @@ type recvParam struct {
 	ptr  bool
 }
 
-func newRecvParams(reserved ...string) *recvParams {
-	rp := &recvParams{byType: map[*types.Named]*recvParam{}, taken: map[string]bool{}}
-	for _, r := range reserved {
-		rp.taken[r] = true
+func (e *emitter) newRecvParams() *recvParams {
+	rp := &recvParams{byType: map[*types.Named]*recvParam{}, names: map[string]bool{}}
+	rp.taken = func(name string) bool {
+		if rp.names[name] || e.isLocal(name) || token.IsKeyword(name) || e.m.scope.Lookup(name) != nil || generatedImport[name] || e.m.imports[name] {
+			return true
+		}
+		for _, a := range e.aliases {
+			if a == name {
+				return true
+			}
+		}
+		return false
 	}
 	return rp
 }
@@ -322,7 +437,7 @@ func (rp *recvParams) target(w *wrapped, name string) *jen.Statement {
 	}
 	p := rp.byType[w.recv]
 	if p == nil {
-		p = &recvParam{name: paramName(w.recv.Obj().Name(), rp.taken), typ: w.recv}
+		p = &recvParam{name: rp.paramName(w), typ: w.recv}
 		rp.byType[w.recv] = p
 		rp.list = append(rp.list, p)
 	}
@@ -334,7 +449,7 @@ func (rp *recvParams) target(w *wrapped, name string) *jen.Statement {
 func (rp *recvParams) params(e *emitter) []jen.Code {
 	var out []jen.Code
 	for _, p := range rp.list {
-		t := jen.Qual(e.m.path, p.typ.Obj().Name())
+		t := e.qual(e.m.path, e.m.name, p.typ.Obj().Name())
 		if p.ptr {
 			t = jen.Op("*").Add(t)
 		}
@@ -343,13 +458,50 @@ func (rp *recvParams) params(e *emitter) []jen.Code {
 	return out
 }
 
-// recvVar is the receiver's variable name in a generated method: the user's
-// own, unless absent or clashing with another name the method uses.
-func recvVar(w *wrapped, clash string) string {
-	if w.recvName == "" || w.recvName == clash {
-		return "recv"
+// paramName names the parameter for w's receiver type: the type's name
+// with its first word lower-cased (paymentService, httpServer). When that is
+// the type's own name (an unexported type, svc) or a keyword, it is the
+// receiver name of the user's method, else the type's first letter. A digit
+// is appended if the name is taken.
+func (rp *recvParams) paramName(w *wrapped) string {
+	typeName := w.recv.Obj().Name()
+	r := []rune(typeName)
+	for i := 0; i < len(r) && unicode.IsUpper(r[i]); i++ {
+		// HTTPServer → httpServer: lower the leading run of capitals except
+		// the one that starts the next word.
+		if i > 0 && i+1 < len(r) && unicode.IsLower(r[i+1]) {
+			break
+		}
+		r[i] = unicode.ToLower(r[i])
 	}
-	return w.recvName
+	base := string(r)
+	if base == typeName || token.IsKeyword(base) {
+		base = w.recvName
+		if base == "" || base == typeName {
+			base = string(unicode.ToLower(r[0]))
+		}
+	}
+	name := base
+	for i := 2; rp.taken(name); i++ {
+		name = base + strconv.Itoa(i)
+	}
+	rp.names[name] = true
+	return name
+}
+
+// recvVar is the receiver's variable name in a generated method: the user's
+// own, unless absent or clashing with a name the method uses.
+func (e *emitter) recvVar(w *wrapped) string {
+	n := w.recvName
+	if n == "" || e.isLocal(n) || generatedImport[n] || e.m.imports[n] {
+		return e.locals["recv"]
+	}
+	for _, a := range e.aliases {
+		if a == n {
+			return e.locals["recv"]
+		}
+	}
+	return n
 }
 
 // describe names w for a comment: Func, (*T).Method or T.Method.
@@ -365,21 +517,24 @@ func (e *emitter) describe(w *wrapped) string {
 
 // recvType renders w's receiver type: T or *T.
 func (e *emitter) recvType(w *wrapped) jen.Code {
-	t := jen.Qual(e.m.path, w.recv.Obj().Name())
+	t := jen.Id(w.recv.Obj().Name())
 	if w.ptrRecv {
 		return jen.Op("*").Add(t)
 	}
 	return t
 }
 
-// typ renders a Go type, registering the imports it needs under each
-// package's own name.
+// typ renders a Go type, importing the packages it needs. The model stage
+// (unnameable) has rejected every type this cannot spell.
 func (e *emitter) typ(t types.Type) jen.Code {
 	switch t := t.(type) {
 	case *types.Alias:
 		if obj := t.Obj(); obj.Pkg() != nil && (obj.Exported() || obj.Pkg().Path() == e.m.path) {
-			e.f.ImportName(obj.Pkg().Path(), obj.Pkg().Name())
-			return jen.Qual(obj.Pkg().Path(), obj.Name())
+			s := e.qual(obj.Pkg().Path(), obj.Pkg().Name(), obj.Name())
+			if args := t.TypeArgs(); args.Len() > 0 {
+				s = s.Types(e.typeList(args)...)
+			}
+			return s
 		}
 		if t.Obj().Pkg() == nil && t.Obj().Name() == "any" {
 			return jen.Any()
@@ -390,14 +545,9 @@ func (e *emitter) typ(t types.Type) jen.Code {
 		if obj.Pkg() == nil { // error
 			return jen.Id(obj.Name())
 		}
-		e.f.ImportName(obj.Pkg().Path(), obj.Pkg().Name())
-		s := jen.Qual(obj.Pkg().Path(), obj.Name())
+		s := e.qual(obj.Pkg().Path(), obj.Pkg().Name(), obj.Name())
 		if args := t.TypeArgs(); args.Len() > 0 {
-			codes := make([]jen.Code, args.Len())
-			for i := range codes {
-				codes[i] = e.typ(args.At(i))
-			}
-			s = s.Types(codes...)
+			s = s.Types(e.typeList(args)...)
 		}
 		return s
 	case *types.Basic:
@@ -419,14 +569,19 @@ func (e *emitter) typ(t types.Type) jen.Code {
 			return jen.Struct()
 		}
 	}
-	if e.err == nil {
-		e.err = fmt.Errorf("idemgen cannot name type %s in generated code; use a named type", t)
+	panic(fmt.Sprintf("idemgen: type %s passed the model stage but cannot be rendered", t))
+}
+
+func (e *emitter) typeList(l *types.TypeList) []jen.Code {
+	codes := make([]jen.Code, l.Len())
+	for i := range codes {
+		codes[i] = e.typ(l.At(i))
 	}
-	return jen.Null()
+	return codes
 }
 
 // duration renders d as a readable constant expression: 24 * time.Hour.
-func duration(d time.Duration) jen.Code {
+func (e *emitter) duration(d time.Duration) jen.Code {
 	units := []struct {
 		d    time.Duration
 		name string
@@ -435,36 +590,75 @@ func duration(d time.Duration) jen.Code {
 		if d%u.d == 0 {
 			n := int64(d / u.d)
 			if n == 1 {
-				return jen.Qual("time", u.name)
+				return e.qual(timePath, "time", u.name)
 			}
-			return jen.Lit(int(n)).Op("*").Qual("time", u.name)
+			return jen.Lit(int(n)).Op("*").Add(e.qual(timePath, "time", u.name))
 		}
 	}
-	return jen.Qual("time", "Duration").Call(jen.Lit(int64(d)))
+	return e.qual(timePath, "time", "Duration").Call(jen.Lit(int64(d)))
 }
 
-// paramName lower-cases the first letter of a type name for a parameter,
-// avoiding keywords and names already taken.
-func paramName(typeName string, taken map[string]bool) string {
-	r := []rune(typeName)
-	for i := 0; i < len(r) && unicode.IsUpper(r[i]); i++ {
-		// HTTPServer → httpServer: lower the leading run of capitals except
-		// the one that starts the next word.
-		if i > 0 && i+1 < len(r) && unicode.IsLower(r[i+1]) {
+// finish adds the build constraint below the header and groups the imports
+// the way goimports does (standard library, a blank line, the rest), which
+// jennifer does not; it returns gofmt'ed source.
+func finish(src []byte, buildLine string) ([]byte, error) {
+	header := "// " + Header + "\n"
+	if !bytes.HasPrefix(src, []byte(header)) {
+		return nil, fmt.Errorf("rendered file does not start with the header")
+	}
+	src = append([]byte(header+"\n"+buildLine+"\n\n"), bytes.TrimLeft(src[len(header):], "\n")...)
+
+	fset := token.NewFileSet()
+	f, err := parser.ParseFile(fset, "", src, parser.ParseComments|parser.ImportsOnly)
+	if err != nil {
+		return nil, err
+	}
+	var decl *ast.GenDecl
+	for _, d := range f.Decls {
+		if gd, ok := d.(*ast.GenDecl); ok && gd.Tok == token.IMPORT {
+			decl = gd
 			break
 		}
-		r[i] = unicode.ToLower(r[i])
 	}
-	base := string(r)
-	if token.IsKeyword(base) || base == typeName {
-		base += "Svc"
+	if decl == nil {
+		return format.Source(src)
 	}
-	name := base
-	for i := 2; taken[name]; i++ {
-		name = fmt.Sprintf("%s%d", base, i)
+	var std, other []string
+	for _, s := range decl.Specs {
+		spec := s.(*ast.ImportSpec)
+		line := spec.Path.Value
+		if spec.Name != nil {
+			line = spec.Name.Name + " " + line
+		}
+		path, _ := strconv.Unquote(spec.Path.Value)
+		if first, _, _ := strings.Cut(path, "/"); strings.Contains(first, ".") {
+			other = append(other, line)
+		} else {
+			std = append(std, line)
+		}
 	}
-	taken[name] = true
-	return name
+	byPath := func(l []string) {
+		sort.Slice(l, func(i, j int) bool {
+			return l[i][strings.Index(l[i], `"`):] < l[j][strings.Index(l[j], `"`):]
+		})
+	}
+	byPath(std)
+	byPath(other)
+	var b strings.Builder
+	b.WriteString("import (\n")
+	for _, l := range std {
+		b.WriteString("\t" + l + "\n")
+	}
+	if len(std) > 0 && len(other) > 0 {
+		b.WriteString("\n")
+	}
+	for _, l := range other {
+		b.WriteString("\t" + l + "\n")
+	}
+	b.WriteString(")")
+	start, end := fset.Position(decl.Pos()).Offset, fset.Position(decl.End()).Offset
+	out := append(append(append([]byte{}, src[:start]...), b.String()...), src[end:]...)
+	return format.Source(out)
 }
 
 // typeString renders t as Go source would inside package pkgPath.

@@ -3,6 +3,7 @@ package generator_test
 import (
 	"context"
 	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -70,9 +71,12 @@ func write(t testing.TB, path, content string) {
 }
 
 // TestGolden runs every testdata/golden/*.txtar case. A case holds an input
-// package (its files at the archive's top level) and either want/idem_gen.go
-// (the exact generated file) or want/errors (the exact error output). Every
-// wanted idem_gen.go is then compiled with its package.
+// package (its files at the archive's top level) and either the exact
+// generated files (want/idem_gen.go, want/idem_gen_integration.go, ...) or
+// want/errors (the exact error output); want/warnings, if present, is the
+// exact warning output. Every wanted generated file is then compiled with its
+// package. A comment line "-- tags: a,b" in the archive's comment sets build
+// tags.
 func TestGolden(t *testing.T) {
 	cases, err := filepath.Glob(filepath.Join(repoRoot(t), "testdata", "golden", "*.txtar"))
 	if err != nil || len(cases) == 0 {
@@ -88,57 +92,107 @@ func TestGolden(t *testing.T) {
 				t.Fatal(err)
 			}
 			dir := filepath.Join(mod, name)
-			wantGen, wantErrs := -1, -1
+			wantFiles := map[string]int{} // generated file name → archive index
+			wantErrs, wantWarns := -1, -1
 			for i, f := range ar.Files {
-				switch f.Name {
-				case "want/idem_gen.go":
-					wantGen = i
-				case "want/errors":
+				switch {
+				case f.Name == "want/errors":
 					wantErrs = i
+				case f.Name == "want/warnings":
+					wantWarns = i
+				case strings.HasPrefix(f.Name, "want/"):
+					wantFiles[strings.TrimPrefix(f.Name, "want/")] = i
 				default:
 					write(t, filepath.Join(dir, f.Name), string(f.Data))
 				}
 			}
-			if (wantGen < 0) == (wantErrs < 0) {
-				t.Fatalf("%s: want exactly one of want/idem_gen.go and want/errors", name)
+			if (len(wantFiles) == 0) == (wantErrs < 0) {
+				t.Fatalf("%s: want either generated files under want/ or want/errors", name)
 			}
-			if wantGen >= 0 {
+			if len(wantFiles) > 0 {
 				compiled = append(compiled, "./"+name)
+			}
+			var flags []string
+			for _, line := range strings.Split(string(ar.Comment), "\n") {
+				if tags, ok := strings.CutPrefix(line, "-- tags: "); ok {
+					flags = append(flags, "-tags="+tags)
+				}
 			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
-				files, err := generator.Generate(context.Background(), generator.Config{Dir: dir, Env: goEnv()}, ".")
-				var got []byte
-				want := wantGen
+				var warnings strings.Builder
+				cfg := generator.Config{Dir: dir, Env: goEnv(), BuildFlags: flags, Warn: func(e *generator.Error) {
+					warnings.WriteString(e.Error() + "\n")
+				}}
+				files, err := generator.Generate(context.Background(), cfg, ".")
+				// go/packages, the loader for the unusual cases, gives the
+				// same files, errors and warnings as the fast loader.
+				fastWarnings := warnings.String()
+				warnings.Reset()
+				slowFiles, slowErr := generator.Generate(generator.WithGoPackagesLoader(context.Background()), cfg, ".")
+				if diff := cmp.Diff(fmt.Sprint(slowErr), fmt.Sprint(err)); diff != "" {
+					t.Errorf("errors of the go/packages loader (-) and the fast loader (+) differ:\n%s", diff)
+				}
+				if diff := cmp.Diff(slowFiles, files); diff != "" {
+					t.Errorf("files of the go/packages loader (-) and the fast loader (+) differ:\n%s", diff)
+				}
+				if fastWarnings != warnings.String() {
+					t.Errorf("warnings differ: fast loader:\n%s\ngo/packages:\n%s", fastWarnings, warnings.String())
+				}
+				warnings.Reset()
+				warnings.WriteString(fastWarnings)
+				got := map[int][]byte{}
 				if err != nil {
-					got = []byte(err.Error() + "\n")
-					want = wantErrs
-				} else {
-					if len(files) != 1 || files[0].Path != filepath.Join(dir, generator.FileName) {
-						t.Fatalf("files = %v, want one %s", paths(files), generator.FileName)
+					if wantErrs < 0 {
+						t.Fatalf("unexpected errors:\n%s", err)
 					}
-					got = files[0].Content
-					// The package must build with the generated file.
-					write(t, files[0].Path, string(got))
+					got[wantErrs] = []byte(err.Error() + "\n")
+				} else {
+					if wantErrs >= 0 {
+						t.Fatalf("generated files, want errors:\n%s", ar.Files[wantErrs].Data)
+					}
+					var names, wantNames []string
+					for _, f := range files {
+						names = append(names, strings.TrimPrefix(f.Path, dir+string(filepath.Separator)))
+						// The package must build with the generated files.
+						write(t, f.Path, string(f.Content))
+					}
+					for n := range wantFiles {
+						wantNames = append(wantNames, n)
+					}
+					sort.Strings(wantNames)
+					if diff := cmp.Diff(wantNames, names); diff != "" && !*update {
+						t.Fatalf("generated files (-want +got):\n%s", diff)
+					}
+					for _, f := range files {
+						i, ok := wantFiles[filepath.Base(f.Path)]
+						if !ok {
+							i = len(ar.Files)
+							ar.Files = append(ar.Files, txtar.File{Name: "want/" + filepath.Base(f.Path)})
+						}
+						got[i] = f.Content
+					}
+				}
+				if wantWarns >= 0 || warnings.Len() > 0 {
+					if wantWarns < 0 {
+						wantWarns = len(ar.Files)
+						ar.Files = append(ar.Files, txtar.File{Name: "want/warnings"})
+					}
+					got[wantWarns] = []byte(warnings.String())
 				}
 				if *update {
-					if want < 0 {
-						want = wantGen + wantErrs + 1 // the one that exists
+					for i, data := range got {
+						ar.Files[i].Data = data
 					}
-					ar.Files[want].Data = got
 					if err := os.WriteFile(path, txtar.Format(ar), 0o644); err != nil {
 						t.Fatal(err)
 					}
 					return
 				}
-				switch {
-				case err != nil && wantErrs < 0:
-					t.Fatalf("unexpected errors:\n%s", got)
-				case err == nil && wantGen < 0:
-					t.Fatalf("generated a file, want errors:\n%s", ar.Files[wantErrs].Data)
-				}
-				if diff := cmp.Diff(string(ar.Files[want].Data), string(got)); diff != "" {
-					t.Errorf("%s mismatch (-want +got), rerun with -update to accept:\n%s", ar.Files[want].Name, diff)
+				for i, data := range got {
+					if diff := cmp.Diff(string(ar.Files[i].Data), string(data)); diff != "" {
+						t.Errorf("%s mismatch (-want +got), rerun with -update to accept:\n%s", ar.Files[i].Name, diff)
+					}
 				}
 			})
 		}

@@ -5,12 +5,16 @@ import (
 	"go/ast"
 	"go/token"
 	"go/types"
-	"path/filepath"
+	"net/http"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"golang.org/x/tools/go/packages"
+
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 // Import paths the generated code and the shape checks refer to.
@@ -26,15 +30,23 @@ type pkgModel struct {
 	https      []*httpFunc
 	consumes   []*consumeFunc
 	outboxes   []*outboxType
+	// groups splits the above by the build constraint of their files, one
+	// generated file each; sorted by file name.
+	groups []*group
 	// emitted names the package-level identifiers and methods the generated
-	// file declares; type errors about them being undefined are expected
-	// before the first generation and are not the user's.
+	// files declare; type errors at uses of them are expected before the
+	// first generation and are not the user's.
 	emitted map[string]bool
+	// scope is the package's scope: generated names must not shadow it.
+	scope *types.Scope
+	// imports are the names of the packages the user's package imports.
+	imports map[string]bool
 }
 
 // wrapped is a function or method that generated code wraps.
 type wrapped struct {
 	pos      token.Position
+	group    *group
 	name     string       // the function's name
 	recv     *types.Named // nil for a plain function
 	ptrRecv  bool
@@ -60,12 +72,15 @@ type httpFunc struct {
 	req  types.Type
 	resp types.Type
 
+	// Options as the directive gives them; zero when not given, so that
+	// the runtime's defaults apply and live in one place.
 	scope       string
+	scopePos    token.Position // of the scope= option, or the function
 	route       string
 	status      int
 	ttl         time.Duration
 	header      string
-	wait        time.Duration
+	wait        *time.Duration
 	keyOptional bool
 }
 
@@ -88,17 +103,28 @@ func (f *consumeFunc) consumerName() string { return f.name + "Consumer" }
 // outboxType is one //idem:outbox type.
 type outboxType struct {
 	pos      token.Position
+	group    *group
 	typ      *types.Named
 	topic    string
 	keyField *fieldRef // nil: no partition key
 }
 
 // enqueueName is the generated function's name for t.
-func (t *outboxType) enqueueName() string { return "Enqueue" + t.typ.Obj().Name() }
+// It is unexported when the type is: EnqueuePaid for Paid, enqueuePaid for
+// paid (an exported function must not take an unexported type).
+func (t *outboxType) enqueueName() string {
+	name := []rune(t.typ.Obj().Name())
+	name[0] = unicode.ToUpper(name[0])
+	if !t.typ.Obj().Exported() {
+		return "enqueue" + string(name)
+	}
+	return "Enqueue" + string(name)
+}
 
 // fieldRef is a struct field whose value generated code turns into a string.
 type fieldRef struct {
 	name string
+	typ  types.Type
 	conv fieldConv
 }
 
@@ -109,11 +135,14 @@ const (
 	convIdentity fieldConv = iota // string itself: v
 	convString                    // another string type: string(v)
 	convStringer                  // fmt.Stringer: v.String()
-	convInt                       // signed integer: strconv.FormatInt(int64(v), 10)
+	convInt                       // signed integer: strconv.FormatInt(int64(v), 10), strconv.Itoa(v)
 	convUint                      // unsigned integer: strconv.FormatUint(uint64(v), 10)
 )
 
-// Package-level functions generated once per package.
+// Package-level functions generated once per generated file. Functions from
+// a file with a build constraint get the constraint's words appended
+// (RegisterIdemRoutesIntegration), so that every build declares each name
+// once; they are unexported when a parameter's type is unexported.
 const (
 	registerName  = "RegisterIdemRoutes" // registers the routed //idem:http handlers
 	consumersName = "IdemConsumers"      // lists the //idem:consume handlers
@@ -122,41 +151,94 @@ const (
 // buildModel reads the directives of pkg and checks what they annotate.
 // It returns nil (and no errors) for a package without directives.
 func buildModel(pkg *packages.Package, errs *errorSink) *pkgModel {
-	m := &pkgModel{path: pkg.PkgPath, name: pkg.Name, emitted: map[string]bool{}}
-	for i, file := range pkg.Syntax {
+	m := &pkgModel{path: pkg.PkgPath, name: pkg.Name, dir: pkgDir(pkg), emitted: map[string]bool{},
+		scope: pkg.Types.Scope(), imports: map[string]bool{}}
+	for _, imp := range pkg.Types.Imports() {
+		m.imports[imp.Name()] = true
+	}
+	groups := map[string]*group{}
+	for _, file := range pkg.Syntax {
+		// For a cgo package the syntax is of the compiled files, whose
+		// //line directives point back at the user's file.
 		filename := pkg.Fset.Position(file.Package).Filename
-		if i == 0 {
-			m.dir = filepath.Dir(filename)
-		}
 		if isGeneratedFile(filename, file) {
 			continue
 		}
-		scanFile(pkg, file, m, errs)
+		expr, err := fileConstraint(filename)
+		if err != nil {
+			errs.add(token.Position{Filename: filename}, "read build constraint: %v", err)
+			continue
+		}
+		key := ""
+		if expr != nil {
+			key = expr.String()
+		}
+		g := groups[key]
+		if g == nil {
+			g = newGroup(expr)
+			groups[key] = g
+		}
+		scanFile(pkg, file, g, m, errs)
 	}
 	if len(m.https)+len(m.consumes)+len(m.outboxes) == 0 {
 		return nil
 	}
-	for _, f := range m.https {
-		m.emitted[f.handlerName()] = true
-		if f.route != "" {
-			m.emitted[registerName] = true
+	for _, g := range groups {
+		if len(g.https)+len(g.consumes)+len(g.outboxes) > 0 {
+			m.groups = append(m.groups, g)
 		}
 	}
-	for _, f := range m.consumes {
-		m.emitted[f.consumerName()] = true
-		m.emitted[consumersName] = true
-	}
-	for _, t := range m.outboxes {
-		m.emitted[t.enqueueName()] = true
+	sort.Slice(m.groups, func(i, j int) bool { return m.groups[i].file < m.groups[j].file })
+	for _, g := range m.groups {
+		nameAggregates(g)
+		for _, f := range g.https {
+			m.emitted[f.handlerName()] = true
+			if f.route != "" {
+				m.emitted[g.registerName] = true
+			}
+		}
+		for _, f := range g.consumes {
+			m.emitted[f.consumerName()] = true
+			m.emitted[g.consumersName] = true
+		}
+		for _, t := range g.outboxes {
+			m.emitted[t.enqueueName()] = true
+		}
 	}
 	checkCollisions(pkg, m, errs)
 	return m
 }
 
+// nameAggregates names g's RegisterIdemRoutes and IdemConsumers: with g's
+// suffix, and unexported when one of their receiver parameters has an
+// unexported type (an exported function must not take an unexported type).
+func nameAggregates(g *group) {
+	name := func(base string, recvs []*types.Named) string {
+		base += g.suffix
+		for _, r := range recvs {
+			if r != nil && !r.Obj().Exported() {
+				return strings.ToLower(base[:1]) + base[1:]
+			}
+		}
+		return base
+	}
+	var routed, consumers []*types.Named
+	for _, f := range g.https {
+		if f.route != "" {
+			routed = append(routed, f.recv)
+		}
+	}
+	for _, f := range g.consumes {
+		consumers = append(consumers, f.recv)
+	}
+	g.registerName = name(registerName, routed)
+	g.consumersName = name(consumersName, consumers)
+}
+
 // scanFile finds the directives of one file. Directives are read from each
 // declaration's Doc.List; a directive line anywhere else is reported, since
 // a blank line between it and its func silently detaches it.
-func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSink) {
+func scanFile(pkg *packages.Package, file *ast.File, g *group, m *pkgModel, errs *errorSink) {
 	attached := map[token.Pos]bool{}
 	directives := func(doc *ast.CommentGroup) []*Directive {
 		if doc == nil {
@@ -191,7 +273,7 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 					errs.add(d.Pos, "//idem:%s annotates %s, not a function", d.Kind, kinds[d.Kind].shape)
 					continue
 				}
-				checkFunc(pkg, decl, d, m, errs)
+				checkFunc(pkg, decl, d, g, m, errs)
 			}
 		case *ast.GenDecl:
 			ds := directives(decl.Doc)
@@ -199,7 +281,7 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 				spec := decl.Specs[0].(*ast.TypeSpec)
 				ds = append(ds, directives(spec.Doc)...)
 				for _, d := range ds {
-					checkType(pkg, spec, d, m, errs)
+					checkType(pkg, spec, d, g, m, errs)
 				}
 				continue
 			}
@@ -213,7 +295,7 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 			if decl.Tok == token.TYPE {
 				for _, spec := range decl.Specs {
 					for _, d := range directives(spec.(*ast.TypeSpec).Doc) {
-						checkType(pkg, spec.(*ast.TypeSpec), d, m, errs)
+						checkType(pkg, spec.(*ast.TypeSpec), d, g, m, errs)
 					}
 				}
 			}
@@ -234,7 +316,7 @@ func scanFile(pkg *packages.Package, file *ast.File, m *pkgModel, errs *errorSin
 }
 
 // checkType checks the type an //idem:outbox directive annotates.
-func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, m *pkgModel, errs *errorSink) {
+func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, g *group, m *pkgModel, errs *errorSink) {
 	if kinds[d.Kind].target != targetType {
 		errs.add(d.Pos, "//idem:%s annotates a function of shape %s, not a type", d.Kind, kinds[d.Kind].shape)
 		return
@@ -242,7 +324,9 @@ func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, m *pkgMo
 	pos := pkg.Fset.Position(spec.Name.Pos())
 	obj, _ := pkg.TypesInfo.Defs[spec.Name].(*types.TypeName)
 	if obj == nil {
-		errs.add(pos, "cannot type-check %s; fix the errors above first", spec.Name.Name)
+		if len(pkg.TypeErrors) == 0 { // else the type error is the root cause, reported
+			errs.add(pos, "cannot type-check %s", spec.Name.Name)
+		}
 		return
 	}
 	named, _ := obj.Type().(*types.Named)
@@ -259,7 +343,10 @@ func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, m *pkgMo
 		errs.add(pos, "//idem:outbox cannot publish %s: it %s", obj.Name(), why)
 		return
 	}
-	t := &outboxType{pos: pos, typ: named}
+	if hasInvalid(named.Underlying()) {
+		return // a type error, reported on its own
+	}
+	t := &outboxType{pos: pos, group: g, typ: named}
 	for _, o := range d.Options {
 		switch o.Name {
 		case "topic":
@@ -274,6 +361,7 @@ func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, m *pkgMo
 		}
 	}
 	m.outboxes = append(m.outboxes, t)
+	g.outboxes = append(g.outboxes, t)
 }
 
 // stringField finds the exported field name of st that generated code can
@@ -290,18 +378,18 @@ func stringField(st *types.Struct, local *types.Package, name string) (*fieldRef
 		}
 		t := f.Type()
 		if types.Implements(t, stringerType) {
-			return &fieldRef{name: name, conv: convStringer}, nil
+			return &fieldRef{name: name, typ: t, conv: convStringer}, nil
 		}
 		if b, ok := t.Underlying().(*types.Basic); ok {
 			switch {
 			case types.Identical(t, types.Typ[types.String]):
-				return &fieldRef{name: name, conv: convIdentity}, nil
+				return &fieldRef{name: name, typ: t, conv: convIdentity}, nil
 			case b.Info()&types.IsString != 0:
-				return &fieldRef{name: name, conv: convString}, nil
+				return &fieldRef{name: name, typ: t, conv: convString}, nil
 			case b.Info()&types.IsInteger != 0 && b.Info()&types.IsUnsigned != 0:
-				return &fieldRef{name: name, conv: convUint}, nil
+				return &fieldRef{name: name, typ: t, conv: convUint}, nil
 			case b.Info()&types.IsInteger != 0:
-				return &fieldRef{name: name, conv: convInt}, nil
+				return &fieldRef{name: name, typ: t, conv: convInt}, nil
 			}
 		}
 		return nil, fmt.Errorf("field %s has type %s; want a string, an integer or a fmt.Stringer", name, types.TypeString(t, types.RelativeTo(local)))
@@ -316,14 +404,21 @@ var stringerType = types.NewInterfaceType([]*types.Func{
 }, nil).Complete()
 
 // checkFunc checks the function a directive annotates and adds it to m.
-func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgModel, errs *errorSink) {
+func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, g *group, m *pkgModel, errs *errorSink) {
 	obj, _ := pkg.TypesInfo.Defs[decl.Name].(*types.Func)
 	if obj == nil {
-		errs.add(pkg.Fset.Position(decl.Name.Pos()), "cannot type-check %s; fix the errors above first", decl.Name.Name)
+		if len(pkg.TypeErrors) == 0 { // else the type error is the root cause, reported
+			errs.add(pkg.Fset.Position(decl.Name.Pos()), "cannot type-check %s", decl.Name.Name)
+		}
 		return
 	}
 	pos := pkg.Fset.Position(decl.Name.Pos())
 	sig := obj.Type().(*types.Signature)
+	if hasInvalid(sig) {
+		// A type error in the signature is reported by itself; a shape
+		// error about "invalid type" would only hide it.
+		return
+	}
 	qual := func(p *types.Package) string {
 		if p == pkg.Types {
 			return ""
@@ -331,7 +426,7 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, m *pkgMo
 		return p.Name()
 	}
 
-	w := wrapped{pos: pos, name: obj.Name()}
+	w := wrapped{pos: pos, group: g, name: obj.Name()}
 	if recv := sig.Recv(); recv != nil {
 		t := recv.Type()
 		if p, ok := t.(*types.Pointer); ok {
@@ -402,16 +497,16 @@ func checkHTTP(pkg *packages.Package, w wrapped, sig *types.Signature, d *Direct
 		what string
 		typ  types.Type
 	}{{"request", f.req}, {"response", f.resp}} {
-		if why := jsonUnfriendly(t.typ, pkg.Types); why != "" {
+		why := jsonUnfriendly(t.typ, pkg.Types)
+		if why == "" {
+			why = unnameable(t.typ, pkg.Types)
+		}
+		if why != "" {
 			errs.add(w.pos, "//idem:http cannot wrap %s: its %s type %s %s", w.name, t.what, typeString(t.typ, pkg.PkgPath), why)
 			return
 		}
 	}
-	f.scope = f.qualifiedName(pkg.PkgPath)
-	f.status = 200
-	f.ttl = 24 * time.Hour
-	f.header = "Idempotency-Key"
-	f.wait = 5 * time.Second
+	f.scope, f.scopePos = f.qualifiedName(pkg.PkgPath), w.pos
 	for _, o := range d.Options {
 		switch o.Name {
 		case "route":
@@ -423,14 +518,16 @@ func checkHTTP(pkg *packages.Package, w wrapped, sig *types.Signature, d *Direct
 		case "header":
 			f.header = o.Value
 		case "scope":
-			f.scope = o.Value
+			f.scope, f.scopePos = o.Value, o.Pos
 		case "wait":
-			f.wait, _ = time.ParseDuration(o.Value)
+			wait, _ := time.ParseDuration(o.Value)
+			f.wait = &wait
 		case "key":
 			f.keyOptional = o.Value == "optional"
 		}
 	}
 	m.https = append(m.https, f)
+	w.group.https = append(w.group.https, f)
 }
 
 func checkConsume(pkg *packages.Package, w wrapped, sig *types.Signature, d *Directive, m *pkgModel, errs *errorSink) {
@@ -446,7 +543,7 @@ func checkConsume(pkg *packages.Package, w wrapped, sig *types.Signature, d *Dir
 		case "id":
 			st, ok := f.event.Underlying().(*types.Struct)
 			if !ok {
-				errs.add(o.Pos, "//idem:consume id=%s: the event type %s is not a struct; drop id= to read the %s record header", o.Value, evName, "idem-event-id")
+				errs.add(o.Pos, "//idem:consume id=%s: the event type %s is not a struct; drop id= to read the %s record header", o.Value, evName, idem.EventIDHeader)
 				return
 			}
 			ref, err := stringField(st, pkg.Types, o.Value)
@@ -478,11 +575,16 @@ func checkConsume(pkg *packages.Package, w wrapped, sig *types.Signature, d *Dir
 			return
 		}
 	}
+	if why := unnameable(f.event, pkg.Types); why != "" {
+		errs.add(w.pos, "//idem:consume cannot wrap %s: its event type %s %s", w.name, evName, why)
+		return
+	}
 	if !exportedOrLocal(f.event, pkg.Types) {
 		errs.add(w.pos, "//idem:consume cannot wrap %s: its event type %s is unexported in another package", w.name, evName)
 		return
 	}
 	m.consumes = append(m.consumes, f)
+	w.group.consumes = append(w.group.consumes, f)
 }
 
 func exportedOrLocal(t types.Type, local *types.Package) bool {
@@ -510,30 +612,185 @@ func checkCollisions(pkg *packages.Package, m *pkgModel, errs *errorSink) {
 			errs.add(pos, "//idem:%s on %s generates %s, which %s already declares; rename one of them", kind, what, name, errs.rel(pkg.Fset.Position(obj.Pos())))
 		}
 	}
-	routes := map[string]*httpFunc{}
-	for _, f := range m.https {
+	scopes := map[string]*httpFunc{}
+	mux := http.NewServeMux() // every route so far that registered cleanly
+	for i, f := range m.https {
 		collide(f.pos, "http", f.name, f.handlerName(), lookup(&f.wrapped, f.handlerName()))
-		if f.route != "" {
-			if prev, dup := routes[f.route]; dup {
-				errs.add(f.pos, "route %q is already served by %s", f.route, prev.name)
+		if prev, dup := scopes[f.scope]; dup {
+			errs.add(f.scopePos, "scope %q is already the scope of %s (%s): two operations sharing a scope replay each other's responses; give each its own", f.scope, prev.name, errs.rel(prev.scopePos))
+		} else {
+			scopes[f.scope] = f
+		}
+		if f.route == "" || register(mux, f.route) == "" {
+			continue
+		}
+		// It conflicts with an earlier route: find which (only now, so
+		// that the common case costs one registration per route).
+		for _, prev := range m.https[:i] {
+			if prev.route != "" && prev.route == f.route {
+				errs.add(f.pos, "route %q is already served by %s (%s)", f.route, prev.name, errs.rel(prev.pos))
+				break
 			}
-			routes[f.route] = f
+			if prev.route == "" {
+				continue
+			}
+			if why := register(muxWith(prev.route), f.route); why != "" {
+				errs.add(f.pos, "route %q conflicts with route %q of %s (%s): %s", f.route, prev.route, prev.name, errs.rel(prev.pos), why)
+				break
+			}
 		}
 	}
+	type topicContext struct{ topic, context string }
+	consumers := map[topicContext]*consumeFunc{}
 	for _, f := range m.consumes {
 		collide(f.pos, "consume", f.name, f.consumerName(), lookup(&f.wrapped, f.consumerName()))
+		k := topicContext{f.topic, f.context}
+		if prev, dup := consumers[k]; dup {
+			errs.add(f.pos, "//idem:consume on %s: %s (%s) already consumes topic %s in context %q, so every event would count as processed for one of them; give each its own context=", f.name, prev.name, errs.rel(prev.pos), f.topic, f.context)
+		} else {
+			consumers[k] = f
+		}
 	}
 	for _, t := range m.outboxes {
 		collide(t.pos, "outbox", t.typ.Obj().Name(), t.enqueueName(), lookup(nil, t.enqueueName()))
 	}
-	for _, name := range []string{registerName, consumersName} {
-		if !m.emitted[name] {
-			continue
-		}
-		if obj := pkg.Types.Scope().Lookup(name); userDecl(obj) {
-			errs.add(pkg.Fset.Position(obj.Pos()), "%s is generated by idemgen for the //idem: functions of this package; rename this declaration", name)
+	for _, g := range m.groups {
+		for _, name := range []string{g.registerName, g.consumersName} {
+			if !m.emitted[name] {
+				continue
+			}
+			if obj := pkg.Types.Scope().Lookup(name); userDecl(obj) {
+				errs.add(pkg.Fset.Position(obj.Pos()), "%s is generated by idemgen for the //idem: functions of this package; rename this declaration", name)
+			}
 		}
 	}
+}
+
+// register registers pattern on mux and says why http.ServeMux refuses it
+// (it panics, as it would at start-up), or "". ServeMux is the judge, so its
+// rules (wildcard names do not matter, a more specific pattern wins) apply
+// exactly.
+func register(mux *http.ServeMux, pattern string) (why string) {
+	defer func() {
+		if r := recover(); r != nil {
+			// After its first line (which names where each pattern was
+			// registered: here) the panic explains, e.g. "POST
+			// /items/{name} matches the same requests as POST /items/{id}".
+			msg := fmt.Sprint(r)
+			if _, rest, ok := strings.Cut(msg, ":\n"); ok {
+				msg = rest
+			}
+			why = "http.ServeMux would panic registering both: " + strings.Join(strings.Fields(msg), " ")
+		}
+	}()
+	mux.Handle(pattern, http.NotFoundHandler())
+	return ""
+}
+
+// muxWith returns a ServeMux with pattern registered.
+func muxWith(pattern string) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle(pattern, http.NotFoundHandler())
+	return mux
+}
+
+// hasInvalid reports whether t mentions an invalid type (the result of a
+// type error).
+func hasInvalid(t types.Type) bool {
+	switch t := t.(type) {
+	case *types.Basic:
+		return t.Kind() == types.Invalid
+	case *types.Pointer:
+		return hasInvalid(t.Elem())
+	case *types.Slice:
+		return hasInvalid(t.Elem())
+	case *types.Array:
+		return hasInvalid(t.Elem())
+	case *types.Map:
+		return hasInvalid(t.Key()) || hasInvalid(t.Elem())
+	case *types.Chan:
+		return hasInvalid(t.Elem())
+	case *types.Tuple:
+		for i := 0; i < t.Len(); i++ {
+			if hasInvalid(t.At(i).Type()) {
+				return true
+			}
+		}
+	case *types.Signature:
+		return hasInvalid(t.Params()) || hasInvalid(t.Results()) || (t.Recv() != nil && hasInvalid(t.Recv().Type()))
+	case *types.Struct:
+		for i := 0; i < t.NumFields(); i++ {
+			if hasInvalid(t.Field(i).Type()) {
+				return true
+			}
+		}
+	case *types.Named:
+		args := t.TypeArgs()
+		for i := 0; i < args.Len(); i++ {
+			if hasInvalid(args.At(i)) {
+				return true
+			}
+		}
+	case *types.Alias:
+		return hasInvalid(types.Unalias(t))
+	}
+	return false
+}
+
+// unnameable says why generated code cannot spell t (declared in local),
+// or "". The emitter handles exactly the types this accepts.
+func unnameable(t types.Type, local *types.Package) string {
+	switch t := t.(type) {
+	case *types.Alias:
+		if obj := t.Obj(); obj.Pkg() != nil && (obj.Exported() || obj.Pkg() == local) {
+			args := t.TypeArgs()
+			for i := 0; i < args.Len(); i++ {
+				if why := unnameable(args.At(i), local); why != "" {
+					return why
+				}
+			}
+			return ""
+		}
+		if t.Obj().Pkg() == nil && t.Obj().Name() == "any" {
+			return ""
+		}
+		return unnameable(types.Unalias(t), local)
+	case *types.Named:
+		obj := t.Obj()
+		if obj.Pkg() != nil && obj.Pkg() != local && !obj.Exported() {
+			return "is unexported in another package, so generated code cannot name it"
+		}
+		args := t.TypeArgs()
+		for i := 0; i < args.Len(); i++ {
+			if why := unnameable(args.At(i), local); why != "" {
+				return why
+			}
+		}
+		return ""
+	case *types.Basic:
+		return ""
+	case *types.Pointer:
+		return unnameable(t.Elem(), local)
+	case *types.Slice:
+		return unnameable(t.Elem(), local)
+	case *types.Array:
+		return unnameable(t.Elem(), local)
+	case *types.Map:
+		if why := unnameable(t.Key(), local); why != "" {
+			return why
+		}
+		return unnameable(t.Elem(), local)
+	case *types.Interface:
+		if t.Empty() {
+			return ""
+		}
+	case *types.Struct:
+		if t.NumFields() == 0 {
+			return ""
+		}
+		return "is an anonymous struct type; declare a named type for it"
+	}
+	return "has no name that generated code can spell; declare a named type for it"
 }
 
 // wantConsumeShape is the signature an //idem:consume function should have.

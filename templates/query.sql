@@ -77,8 +77,10 @@ WHERE (scope, principal, key) IN (
 
 -- name: MigrateLock :exec
 -- Serializes concurrent idem.Migrate calls (several pods starting at once):
--- CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
-SELECT pg_advisory_xact_lock(7164539873465300001);
+-- CREATE ... IF NOT EXISTS alone can still fail when two sessions race. The
+-- lock is per schema (the tables go into current_schema()), so services in
+-- other schemas of the same database never wait for each other.
+SELECT pg_advisory_xact_lock(hashtext('idem_migrate'), hashtext(current_schema()));
 
 -- name: GetSchemaVersion :one
 SELECT digest FROM idem_schema_version WHERE singleton;
@@ -406,3 +408,15 @@ FOR UPDATE NOWAIT;
 
 -- name: DeleteKey :execrows
 DELETE FROM idem_keys WHERE scope = @scope AND principal = @principal AND key = @key;
+
+-- name: OutboxLag :one
+-- What the observable gauges report, cheap enough to read at every metrics
+-- collection: each count is read from its partial index (never the
+-- PUBLISHED history), and the oldest PENDING row is the first entry of
+-- idem_outbox_pending.
+SELECT
+    ((SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')
+     + (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHING'))::bigint AS pending,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PARKED')::bigint AS parked,
+    (SELECT count(*) FROM idem_dead_letters d WHERE d.replayed_at IS NULL)::bigint AS dead_letters,
+    COALESCE(EXTRACT(EPOCH FROM now() - (SELECT o.created_at FROM idem_outbox o WHERE o.status = 'PENDING' ORDER BY o.id LIMIT 1)), 0)::float8 AS oldest_pending_seconds;

@@ -101,6 +101,10 @@ CREATE UNIQUE INDEX IF NOT EXISTS idem_dead_letters_delivery
 -- this index rather than a scan of the table.
 CREATE INDEX IF NOT EXISTS idem_dead_letters_created_at ON idem_dead_letters (created_at);
 
+-- The idem.dead_letters gauge counts the dead letters still waiting for an
+-- operator through this index.
+CREATE INDEX IF NOT EXISTS idem_dead_letters_unreplayed ON idem_dead_letters (id) WHERE replayed_at IS NULL;
+
 -- idem_uuid_v7 is a time-ordered UUID (RFC 9562 version 7: 48 bits of Unix
 -- milliseconds, then random bits), the default outbox event id. Every claim
 -- and mark UPDATE of an outbox row writes a new entry in the event_id unique

@@ -63,7 +63,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := fset.Parse(args); err != nil {
 		return exitError
 	}
-	cfg := generator.Config{}
+	cfg := generator.Config{
+		Warn: func(w *generator.Error) {
+			w.Msg = "warning: " + w.Msg
+			fmt.Fprintln(stderr, w)
+		},
+	}
 	if *tags != "" {
 		cfg.BuildFlags = []string{"-tags=" + *tags}
 	}

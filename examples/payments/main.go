@@ -150,6 +150,9 @@ func newMux(pool *pgxpool.Pool) (*http.ServeMux, error) {
 	}
 	mux := http.NewServeMux()
 	RegisterIdemRoutes(mux, h, &PaymentService{})
+	if metricsHandler != nil {
+		mux.Handle("GET /metrics", metricsHandler)
+	}
 	return mux, nil
 }
 

@@ -25,7 +25,8 @@ Commands:
   demo     (default) start the service on a loopback port, play HTTP clients that
            retry and an orders service that publishes every event three times,
            check in PostgreSQL that every order was charged once; exit 1 if not
-  serve    run the whole service in one process: HTTP on $ADDR, the Kafka
+  serve    run the whole service in one process: HTTP on $ADDR (with /readyz and
+           /metrics, OpenTelemetry through a Prometheus exporter), the Kafka
            consumers (billing, notifications), the outbox relay and the janitor.
            Without KAFKA_BROKERS it starts an embedded broker (kfake) on
            $KAFKA_EMBEDDED_ADDR that kcat and other Kafka tools can use
@@ -100,6 +101,11 @@ func serve(ctx context.Context) error {
 		return err
 	}
 	defer pool.Close()
+	stopMetrics, err := setupMetrics(idem.NewStore(pool))
+	if err != nil {
+		return err
+	}
+	defer stopMetrics()
 	brokers, stopBroker, err := brokersOrEmbedded()
 	if err != nil {
 		return err

@@ -3,7 +3,9 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"net"
+	"net/http"
 	"os/exec"
 	"regexp"
 	"strings"
@@ -75,6 +77,26 @@ func TestServeEmbeddedBroker(t *testing.T) {
 	}
 	if n := count(`SELECT count(*) FROM notifications WHERE order_id = $1`); n != 1 {
 		t.Errorf("%d receipts for the charge, want 1 (outbox → relay → notifications):\n%s", n, c.log())
+	}
+	// /metrics, as a person would curl it: the OpenTelemetry instruments
+	// through the Prometheus exporter, with what just happened in them.
+	resp, err := http.Get("http://" + c.addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []*regexp.Regexp{
+		regexp.MustCompile(`(?m)^idem_consumer_records_total\{.*idem_consumer="billing".*idem_outcome="applied".*\} 1$`),
+		regexp.MustCompile(`(?m)^idem_consumer_records_total\{.*idem_consumer="billing".*idem_outcome="duplicate".*\} 1$`),
+		regexp.MustCompile(`(?m)^idem_relay_published_total\{.*\} [1-9]`),
+		regexp.MustCompile(`(?m)^idem_relay_leader(_ratio)?\{.*\} 1$`),
+		regexp.MustCompile(`(?m)^idem_outbox_pending\{.*\} 0$`),
+		regexp.MustCompile(`(?m)^idem_dead_letters\{.*\} 0$`),
+	} {
+		if !want.Match(body) {
+			t.Errorf("/metrics has no line matching %s:\n%s", want, body)
+		}
 	}
 	c.stop(t)
 }

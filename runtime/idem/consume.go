@@ -282,8 +282,14 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 // dead letter. Storage failures use none of it: Process waits them out
 // (ProcessorConfig.Outage) for as long as ctx allows.
 func (p *Processor) Process(ctx context.Context, h *EventHandler, rec *Record) (Outcome, error) {
+	return p.processRecorded(ctx, h, rec, nil)
+}
+
+// processRecorded is process with the record's telemetry; failed is as in
+// process.
+func (p *Processor) processRecorded(ctx context.Context, h *EventHandler, rec *Record, failed error) (Outcome, error) {
 	ctx, done := p.tel.RecordStart(ctx, h.Context, rec.Topic, rec.Partition, rec.Offset)
-	o, err := p.process(ctx, h, rec, 0)
+	o, err := p.process(ctx, h, rec, 0, failed)
 	done(outcomeName(o, err), err)
 	return o, err
 }
@@ -299,13 +305,25 @@ func outcomeName(o Outcome, err error) string {
 
 // process is Process; replayID, when not 0, is the dead letter being replayed
 // (see ReplayDeadLetter): it is marked replayed in the applying transaction,
-// and a failure updates it instead of adding a new dead letter.
-func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, replayID int64) (Outcome, error) {
+// and a failure updates it instead of adding a new dead letter. failed, when
+// not nil, is the record's failure in a batch that was rolled back: that run
+// was its first attempt.
+func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, replayID int64, failed error) (Outcome, error) {
 	ev, id, err := safeDecode(h, rec)
 	if err != nil {
 		return p.deadLetter(ctx, h, rec, replayID, 1, err)
 	}
 	attempt, outage := 0, 0
+	if failed != nil {
+		attempt = 1
+		if attempt >= p.cfg.Retry.MaxAttempts {
+			return p.deadLetter(ctx, h, rec, replayID, attempt, failed)
+		}
+		p.log.WarnContext(ctx, "handler failed in a batch; retrying", logRecord(h, rec, "attempt", attempt, "err", failed)...)
+		if err := sleep(ctx, p.cfg.Retry.backoff(attempt)); err != nil {
+			return 0, err
+		}
+	}
 	for {
 		outcome, err := p.applyOnce(ctx, h, rec, ev, id, replayID)
 		if err == nil {
@@ -417,6 +435,12 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 	stop := context.AfterFunc(ctx, func() { time.AfterFunc(commitGrace, cancel) })
 	defer stop()
 	if err := tx.Commit(cctx); err != nil {
+		if commitRefusedByWrites(err) {
+			// The database answered: it is the handler's writes (or what the
+			// handler did to its transaction) it refused, the record's
+			// failure. Waiting it out as an outage retried it forever.
+			return fmt.Errorf("commit refused the handler's transaction: %w", err)
+		}
 		return &storageError{op: "commit", err: err}
 	}
 	return nil
@@ -451,9 +475,17 @@ func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*R
 	p.log.WarnContext(ctx, "batch failed; applying its records one by one", "context", h.Context,
 		"topic", recs[0].Topic, "partition", recs[0].Partition, "offset", recs[0].Offset,
 		"records", len(recs), "err", err)
+	// The record whose handler failed (not the database) has used one
+	// attempt in the batch; the budget counts it.
+	var rf *batchRecordFailure
+	errors.As(err, &rf)
 	outcomes = make([]Outcome, 0, len(recs))
-	for _, rec := range recs {
-		o, err := p.Process(ctx, h, rec)
+	for i, rec := range recs {
+		var failed error
+		if rf != nil && rf.index == i {
+			failed = rf.err
+		}
+		o, err := p.processRecorded(ctx, h, rec, failed)
 		if err != nil {
 			return outcomes, err
 		}
@@ -471,6 +503,18 @@ func outcomeNames(os []Outcome) []string {
 }
 
 var errBatchNeedsFallback = errors.New("batch has an undecodable record")
+
+// batchRecordFailure is the handler failing on recs[index] of a batch: the
+// record's own failure (not an outage), which used one of its attempts.
+type batchRecordFailure struct {
+	index int
+	err   error
+}
+
+func (e *batchRecordFailure) Error() string {
+	return fmt.Sprintf("record %d of the batch: %v", e.index, e.err)
+}
+func (e *batchRecordFailure) Unwrap() error { return e.err }
 
 func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Record) ([]Outcome, error) {
 	events := make([]any, len(recs))
@@ -512,7 +556,11 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 		}
 		delete(isNew, ids[i])
 		if err := safeCall(eventContext(ctx, h, ids[i]), h, tx, events[i]); err != nil {
-			return nil, handlerFailure(tx, err)
+			err = handlerFailure(tx, err)
+			if p.isOutage(err) || ctx.Err() != nil {
+				return nil, err
+			}
+			return nil, &batchRecordFailure{index: i, err: err}
 		}
 		outcomes[i] = Applied
 	}

@@ -89,7 +89,7 @@ func (p *Processor) ReplayDeadLetter(ctx context.Context, h *EventHandler, id in
 	if !dl.ReplayedAt.IsZero() {
 		return 0, fmt.Errorf("replay dead letter %d: %w", id, ErrDeadLetterReplayed)
 	}
-	return p.process(ctx, h, &dl.Record, id)
+	return p.process(ctx, h, &dl.Record, id, nil)
 }
 
 // deadLetter stores rec in idem_dead_letters (or, for a replay, updates the

@@ -97,6 +97,28 @@ func isDataError(err error) bool {
 	return strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "54")
 }
 
+// commitRefusedByWrites reports whether a COMMIT failed because of what the
+// handler did in the transaction, while the database answered normally:
+//   - pgx.ErrTxCommitRollback: the transaction was aborted by a statement
+//     whose error the handler swallowed, so COMMIT answered ROLLBACK;
+//   - pgx.ErrTxClosed: the handler committed or rolled back the transaction
+//     itself;
+//   - any PgError that is not an outage (isOutageError): a deferred
+//     constraint or a deferred trigger refusing the handler's writes (class
+//     23, P0001, ...).
+//
+// Each recurs on every attempt with the database healthy, so it is the
+// record's failure: it uses the budget and ends as a dead letter. A network
+// error, a timeout or an outage SQLSTATE (40001 at COMMIT of a serializable
+// transaction, 57P01, 53100 disk full, ...) stays an outage.
+func commitRefusedByWrites(err error) bool {
+	if errors.Is(err, pgx.ErrTxCommitRollback) || errors.Is(err, pgx.ErrTxClosed) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && !isOutageError(err)
+}
+
 // isOutageError reports whether an error returned by a handler is
 // PostgreSQL failing rather than the handler: connection exceptions (08),
 // shutdown and cancellation (57P01-03, 57014, as statement_timeout),
@@ -105,16 +127,24 @@ func isDataError(err error) bool {
 // retry" and connect errors. Plain network errors are deliberately not on
 // the list: a handler's downstream HTTP call failing is the record's failure
 // and uses its budget; only the database's connection dying (seen through
-// the transaction's closed connection) is an outage.
+// the transaction's closed connection) is an outage. Nor is a statement run
+// on a context the handler itself cancelled or let expire (pgconn calls that
+// "safe to retry" because nothing was sent, but it fails again on every
+// attempt while the database is healthy); the processor's own cancellation
+// is seen before any error is classified. System errors (58, XX) are the
+// server's.
 func isOutageError(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch c := pgErr.Code; {
-		case strings.HasPrefix(c, "08"), strings.HasPrefix(c, "53"):
+		case strings.HasPrefix(c, "08"), strings.HasPrefix(c, "53"), strings.HasPrefix(c, "58"), strings.HasPrefix(c, "XX"):
 			return true
 		case c == "57P01", c == "57P02", c == "57P03", c == "57014", c == "40001", c == "40P01", c == "55P03":
 			return true
 		}
+		return false
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	var ce *pgconn.ConnectError
@@ -125,22 +155,55 @@ func isOutageError(err error) bool {
 // Decode function, an id accessor dereferencing a nil pointer) is the
 // record's failure, never the consumer's end.
 func safeDecode(h *EventHandler, rec *Record) (ev any, id string, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			ev, id, err = nil, "", &panicError{where: "decoding the record or reading its event id", value: r, stack: debug.Stack()}
-		}
-	}()
-	return h.decode(rec)
+	guardErr := guarded("decoding the record or reading its event id", func() error {
+		var derr error
+		ev, id, derr = h.decode(rec)
+		return derr
+	})
+	if guardErr != nil {
+		return nil, "", guardErr
+	}
+	return ev, id, nil
 }
 
 // safeCall runs the handler; a panic is the record's failure.
-func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = &panicError{where: "handler", value: r, stack: debug.Stack()}
-		}
+func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) error {
+	return guarded("handler", func() error { return h.call(ctx, tx, ev) })
+}
+
+// errGoexit is user code that ended its goroutine with runtime.Goexit
+// (t.FailNow in a test handler, a library calling it).
+var errGoexit = errors.New("called runtime.Goexit")
+
+// guarded runs user code fn and turns a panic, or runtime.Goexit, into the
+// record's failure. fn runs on a goroutine of its own because Goexit cannot
+// be recovered: run on the partition's goroutine it ended that goroutine
+// silently, so neither the record nor the rest of the poll was done or
+// rewound, and the next marks committed past them (records lost). A
+// goroutine per call costs about a microsecond, nothing beside a
+// transaction.
+func guarded(where string, fn func() error) error {
+	var (
+		err      error
+		returned bool
+		done     = make(chan struct{})
+	)
+	go func() {
+		defer close(done)
+		defer func() {
+			if r := recover(); r != nil {
+				err = &panicError{where: where, value: r, stack: debug.Stack()}
+				returned = true
+			}
+		}()
+		err = fn()
+		returned = true
 	}()
-	return h.call(ctx, tx, ev)
+	<-done
+	if !returned {
+		return &panicError{where: where, value: errGoexit, stack: nil}
+	}
+	return err
 }
 
 // maxErrorText bounds the error text stored in a dead letter.

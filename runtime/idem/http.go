@@ -25,6 +25,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/dbx"
 	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
@@ -538,7 +539,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 		}
 	}()
 
-	claimed, found, row, err := db.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
+	claimed, found, row, err := dbx.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
 		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
 	})
@@ -593,7 +594,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 			lockTimeout = max(time.Until(deadline), time.Millisecond)
 		}
 		check := h.connCheckMS.Load()
-		tx, err := conn.BeginTx(ctx, db.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		tx, err := conn.BeginTx(ctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
 		if err == nil {
 			return tx, conn, nil
 		}
@@ -666,13 +667,13 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// The response is stored and the transaction committed in one
 		// round trip; a failed store skips the COMMIT (the transaction
 		// rolls back).
-		err = db.CompleteKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.CompleteKeyParams{
+		err = dbx.CompleteKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.CompleteKeyParams{
 			StatusCode: int32(out.status), Headers: headers, Body: body,
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		})
 		switch c := pgCode(err); {
 		case err == nil:
-		case errors.Is(err, db.ErrCommit):
+		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
 		case strings.HasPrefix(c, "22") || c == "54000":
 			// PostgreSQL refused a header the function set: its bug (500),

@@ -9,11 +9,15 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -43,7 +47,8 @@ type ConsumerConfig struct {
 	// StorageTimeout bounds each of the processor's own statements (see
 	// idem.ProcessorConfig). Default 10s.
 	StorageTimeout time.Duration
-	// CommitInterval is how often marked offsets are committed (default 1s).
+	// CommitInterval is how often marked offsets are committed (default 1s,
+	// at least 100ms, kgo's minimum).
 	// Offsets are also committed on partition revocation and on shutdown.
 	CommitInterval time.Duration
 	// MaxPollRecords bounds the records handled per poll (default 500).
@@ -55,6 +60,10 @@ type ConsumerConfig struct {
 	OnRecord func(h *idem.EventHandler, rec *idem.Record, o idem.Outcome)
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// MeterProvider and TracerProvider receive the processor's metrics and
+	// spans (see idem.ProcessorConfig); nil: the global providers.
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 	// ClientOpts are extra kgo options (TLS, SASL, ConsumeResetOffset, ...).
 	// The options the delivery guarantee rests on are always set by Run and
 	// must not be overridden: ConsumerGroup, ConsumeTopics, AutoCommitMarks,
@@ -92,11 +101,17 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	if cfg.BatchSize < 0 || cfg.MaxPollRecords < 0 || cfg.CommitInterval < 0 {
 		return nil, errors.New("kafka consumer: BatchSize, MaxPollRecords and CommitInterval must not be negative")
 	}
+	// kgo refuses an autocommit interval below 100ms, but only when Run
+	// opens the client; refuse it here, where the config is validated.
+	if cfg.CommitInterval > 0 && cfg.CommitInterval < minCommitInterval {
+		return nil, fmt.Errorf("kafka consumer: CommitInterval %v is below the minimum %v", cfg.CommitInterval, minCommitInterval)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
 	proc, err := idem.NewProcessor(store, idem.ProcessorConfig{
 		Retry: cfg.Retry, Outage: cfg.Outage, StorageTimeout: cfg.StorageTimeout, Logger: cfg.Logger,
+		MeterProvider: cfg.MeterProvider, TracerProvider: cfg.TracerProvider,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("kafka consumer: %w", err)
@@ -132,6 +147,9 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	return c, nil
 }
 
+// minCommitInterval is kgo's lower bound on AutoCommitInterval.
+const minCommitInterval = 100 * time.Millisecond
+
 // errRebalancePending is the cause of a poll's context cancelled because a
 // rebalance is waiting for it.
 var errRebalancePending = errors.New("a rebalance is waiting for this poll")
@@ -144,6 +162,10 @@ type run struct {
 	mu      sync.Mutex
 	hurry   context.CancelCauseFunc // cancels the poll being processed
 	pending bool                    // a rebalance signalled it is waiting
+
+	// Fetch failures, touched by Run's goroutine only.
+	fetchFailures  int                  // polls in a row that failed and returned nothing
+	unknownIDSince map[string]time.Time // topics answering UNKNOWN_TOPIC_ID, since when
 }
 
 // Run consumes until ctx is cancelled, then finishes or rolls back the
@@ -167,7 +189,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka consumer: Run called twice")
 	}
-	r := &run{Consumer: c}
+	r := &run{Consumer: c, unknownIDSince: map[string]time.Time{}}
 	opts := append([]kgo.Opt{}, c.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.SeedBrokers(c.cfg.Brokers...),
@@ -193,11 +215,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			cl.AllowRebalance()
 			return nil
 		}
-		fetches.EachError(func(topic string, p int32, err error) {
-			if !errors.Is(err, context.Canceled) {
-				c.logger.Warn("fetch error", "group", c.cfg.Group, "topic", topic, "partition", p, "err", err)
-			}
-		})
+		failing := r.fetchErrors(fetches)
 		pollCtx, cancel := context.WithCancelCause(ctx)
 		r.arm(cancel)
 		var (
@@ -236,7 +254,102 @@ func (c *Consumer) Run(ctx context.Context) error {
 			cl.SetOffsets(rewind)
 		}
 		cl.AllowRebalance()
+		if err := r.backOffFetchErrors(ctx, failing, fetches.NumRecords() > 0); err != nil {
+			return nil
+		}
 	}
+}
+
+// recreateGrace is how long a consumed topic must answer UNKNOWN_TOPIC_ID
+// before it is taken as deleted and re-created (and not a broker whose
+// metadata lags for a moment).
+const recreateGrace = 2 * time.Second
+
+// fetchErrors logs a poll's fetch errors and returns whether there were any.
+// It tracks since when each topic answers UNKNOWN_TOPIC_ID.
+func (r *run) fetchErrors(fetches kgo.Fetches) bool {
+	failing := false
+	unknownID := map[string]bool{}
+	fetches.EachError(func(topic string, p int32, err error) {
+		if errors.Is(err, context.Canceled) {
+			return
+		}
+		failing = true
+		if errors.Is(err, kerr.UnknownTopicID) {
+			unknownID[topic] = true
+		}
+		if r.fetchFailures == 0 { // the first of a run of failures; the others are counted in backOffFetchErrors
+			r.logger.Warn("fetch error", "group", r.cfg.Group, "topic", topic, "partition", p, "err", err)
+		}
+	})
+	for topic := range r.unknownIDSince {
+		if !unknownID[topic] {
+			delete(r.unknownIDSince, topic)
+		}
+	}
+	for topic := range unknownID {
+		if _, ok := r.unknownIDSince[topic]; !ok {
+			r.unknownIDSince[topic] = time.Now()
+		}
+	}
+	return failing
+}
+
+// backOffFetchErrors waits before the next poll while fetches fail and
+// return nothing: kgo returns a failing fetch at once, so without a wait the
+// poll loop spins (seen: 14,000 "fetch error" lines a second after a topic
+// was re-created). It also recovers from a topic deleted and re-created
+// while consumed: kgo refuses to consume the new instance (UNKNOWN_TOPIC_ID)
+// until the topic is purged from the client and added back (kgo README,
+// "Topic recreation"). It returns ctx's error when ctx ends during the wait.
+func (r *run) backOffFetchErrors(ctx context.Context, failing, gotRecords bool) error {
+	if !failing || gotRecords {
+		if r.fetchFailures > 1 {
+			r.logger.Info("fetching again after failures", "group", r.cfg.Group, "failed_polls", r.fetchFailures)
+		}
+		r.fetchFailures = 0
+		return nil
+	}
+	r.fetchFailures++
+	for topic, since := range r.unknownIDSince {
+		if time.Since(since) < recreateGrace {
+			continue
+		}
+		delete(r.unknownIDSince, topic)
+		r.recoverRecreatedTopic(topic)
+	}
+	wait := fetchBackoff(r.fetchFailures)
+	if r.fetchFailures%10 == 0 {
+		r.logger.Warn("fetches still failing; waiting between polls", "group", r.cfg.Group,
+			"failed_polls", r.fetchFailures, "wait", wait)
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// fetchBackoff is the wait after n failed polls in a row: 50ms doubling to
+// 2s, between half and all of it.
+func fetchBackoff(n int) time.Duration {
+	d := 50 * time.Millisecond << min(max(n-1, 0), 6)
+	d = min(d, 2*time.Second)
+	return d/2 + rand.N(d/2+1)
+}
+
+// recoverRecreatedTopic purges topic from the client and consumes it
+// again. The broker deleted the group's committed offsets of the old
+// instance with it, so the new instance starts at the group's reset offset
+// (ClientOpts' ConsumeResetOffset).
+func (r *run) recoverRecreatedTopic(topic string) {
+	r.logger.Error("topic was deleted and re-created; purging it from the client and consuming the new topic",
+		"group", r.cfg.Group, "topic", topic)
+	r.client.PurgeTopicsFromClient(topic)
+	r.client.AddConsumeTopics(topic)
 }
 
 // arm makes cancel the poll's hurry; a rebalance that signalled while no

@@ -26,8 +26,11 @@ var Analyzer = &analysis.Analyzer{
 A loop that retries POST, PUT, PATCH or DELETE (http.Client.Do, Post, PostForm,
 a RoundTripper's RoundTrip)
 must send the same Idempotency-Key on every attempt, created once before the
-loop. A key created inside the loop, or no key at all, makes every attempt a
-new operation: a lost response followed by a retry charges twice.`,
+loop. A key created inside the loop (or renewed by it), or no key at all, makes
+every attempt a new operation: a lost response followed by a retry charges
+twice. A function literal handed to a retry helper (retry.Do, backoff.Retry)
+and a backward goto count as loops. A request with a body built before the
+loop and resent is reported too: the first attempt consumes the body.`,
 	URL: "https://github.com/idemgen/idemgen#idemgen-vet",
 	Run: run,
 }
@@ -41,10 +44,88 @@ func run(pass *analysis.Pass) (any, error) {
 			if loop, ok := n.(ast.Stmt); ok && isLoop(loop) && c.isRetryLoop(loop) {
 				c.checkLoop(loop)
 			}
+			// retry: ... goto retry is a loop too.
+			if blk, ok := n.(*ast.BlockStmt); ok {
+				for _, region := range gotoLoops(blk) {
+					if c.isRetryLoop(region) {
+						c.checkLoop(region)
+					}
+				}
+			}
+			// A function handed to a retry helper (retry.Do, backoff.Retry,
+			// a local withRetry) runs once per attempt: it is the loop's body.
+			if call, ok := n.(*ast.CallExpr); ok && retryHelper(pass.TypesInfo, call) {
+				for _, a := range call.Args {
+					if lit := c.funcLit(a); lit != nil {
+						cc := &checker{pass: pass, r: r, body: lit.Body, reported: reported}
+						cc.checkLoop(lit)
+					}
+				}
+			}
 			return true
 		})
 	})
 	return nil, nil
+}
+
+// gotoLoops returns, for each label in blk that a later goto jumps back
+// to, the statements from the label to the one holding the goto, as a block
+// that stands for the loop they make.
+func gotoLoops(blk *ast.BlockStmt) []ast.Stmt {
+	var loops []ast.Stmt
+	for i, st := range blk.List {
+		l, ok := st.(*ast.LabeledStmt)
+		if !ok {
+			continue
+		}
+		last := -1
+		for j := i; j < len(blk.List); j++ {
+			vetutil.InspectShallow(blk.List[j], func(n ast.Node) bool {
+				if b, ok := n.(*ast.BranchStmt); ok && b.Tok == token.GOTO && b.Label != nil && b.Label.Name == l.Label.Name {
+					last = j
+				}
+				return true
+			})
+		}
+		if last >= 0 {
+			loops = append(loops, &ast.BlockStmt{Lbrace: l.Pos(), List: blk.List[i : last+1], Rbrace: blk.List[last].End() - 1})
+		}
+	}
+	return loops
+}
+
+func isGotoLoop(loop ast.Node) bool {
+	_, ok := loop.(*ast.BlockStmt)
+	return ok
+}
+
+// helperName matches the functions (and their packages) that call a function
+// repeatedly until it succeeds: avast/retry-go's retry.Do, cenkalti/backoff's
+// Retry, sethvargo/go-retry, a service's own withRetry.
+var helperName = regexp.MustCompile(`(?i)retry|retries|retrier|backoff`)
+
+func retryHelper(info *types.Info, call *ast.CallExpr) bool {
+	f := vetutil.Callee(info, call)
+	if f == nil {
+		return false
+	}
+	return helperName.MatchString(f.Name()) || (f.Pkg() != nil && helperName.MatchString(f.Pkg().Path()))
+}
+
+// funcLit returns the function literal e is, or the one the local variable e
+// is defined with (op := func() error {...}; backoff.Retry(op, b)).
+func (c *checker) funcLit(e ast.Expr) *ast.FuncLit {
+	switch e := ast.Unparen(e).(type) {
+	case *ast.FuncLit:
+		return e
+	case *ast.Ident:
+		if v, ok := c.pass.TypesInfo.Uses[e].(*types.Var); ok {
+			if lit, ok := ast.Unparen(c.definition(v)).(*ast.FuncLit); ok {
+				return lit
+			}
+		}
+	}
+	return nil
 }
 
 type checker struct {
@@ -62,9 +143,16 @@ func isLoop(s ast.Stmt) bool {
 	return false
 }
 
-func loopBody(s ast.Stmt) *ast.BlockStmt {
-	if f, ok := s.(*ast.ForStmt); ok {
-		return f.Body
+// loopBody returns the body of a loop, or of a function literal that a retry
+// helper calls once per attempt.
+func loopBody(s ast.Node) *ast.BlockStmt {
+	switch s := s.(type) {
+	case *ast.ForStmt:
+		return s.Body
+	case *ast.FuncLit:
+		return s.Body
+	case *ast.BlockStmt: // a goto loop
+		return s
 	}
 	return s.(*ast.RangeStmt).Body
 }
@@ -120,11 +208,25 @@ func (c *checker) isRetryLoop(loop ast.Stmt) bool {
 			return true
 		}
 	}
+	// In a bare for {} a continue alone does not make a retry loop: an event
+	// loop skips a bad message with continue and sends the next one.
+	bare := false
+	if f, ok := loop.(*ast.ForStmt); ok && f.Init == nil && f.Cond == nil && f.Post == nil {
+		bare = true
+	}
+	if _, ok := loop.(*ast.BlockStmt); ok {
+		bare = true // a goto loop has no header either
+	}
 	signal := false
 	vetutil.InspectShallow(loopBody(loop), func(n ast.Node) bool {
 		switch n := n.(type) {
 		case *ast.BranchStmt:
-			if n.Tok == token.CONTINUE {
+			if n.Tok == token.CONTINUE && !bare {
+				signal = true
+			}
+		case *ast.IncDecStmt:
+			// attempts++ in the body counts attempts as a header would.
+			if id, ok := ast.Unparen(n.X).(*ast.Ident); ok && n.Tok == token.INC && retryWords.MatchString(id.Name) {
 				signal = true
 			}
 		case *ast.CallExpr:
@@ -142,7 +244,7 @@ func (c *checker) isRetryLoop(loop ast.Stmt) bool {
 }
 
 // checkLoop reports each unsafe request sent in loop without a stable key.
-func (c *checker) checkLoop(loop ast.Stmt) {
+func (c *checker) checkLoop(loop ast.Node) {
 	vetutil.InspectShallow(loopBody(loop), func(n ast.Node) bool {
 		call, ok := n.(*ast.CallExpr)
 		if !ok || c.reported[call.Pos()] {
@@ -161,7 +263,7 @@ func (c *checker) checkLoop(loop ast.Stmt) {
 	})
 }
 
-func (c *checker) checkDo(loop ast.Stmt, do *ast.CallExpr) {
+func (c *checker) checkDo(loop ast.Node, do *ast.CallExpr) {
 	info := c.pass.TypesInfo
 	var newReq *ast.CallExpr // http.NewRequest[WithContext]
 	var reqVar *types.Var
@@ -178,13 +280,14 @@ func (c *checker) checkDo(loop ast.Stmt, do *ast.CallExpr) {
 	if newReq == nil {
 		return // built elsewhere: cannot tell its method
 	}
-	method, ok := requestMethod(info, newReq)
+	method, ok := c.requestMethod(newReq)
 	if !ok || !unsafeMethod[strings.ToUpper(method)] {
 		return
 	}
 	if c.forIdemClient(newReq) {
 		return // idem's client sets a key derived from the operation
 	}
+	c.checkReused(loop, do, newReq, reqVar, method)
 	sets, unknown := c.keySets(reqVar)
 	if unknown {
 		return
@@ -195,23 +298,197 @@ func (c *checker) checkDo(loop ast.Stmt, do *ast.CallExpr) {
 		return
 	}
 	for _, s := range sets {
-		if !vetutil.Encloses(loopBody(loop), s.call) || c.reported[s.call.Pos()] {
+		if c.reported[s.call.Pos()] || c.reported[s.value.Pos()] {
 			continue
 		}
-		if fresh, byLoopVar := c.fresh(loop, s.value, 0); fresh {
-			c.reported[s.call.Pos()] = true
-			var fixes []analysis.SuggestedFix
-			if !byLoopVar {
-				fixes = c.hoist(loop, s.value)
+		if vetutil.Encloses(loopBody(loop), s.call) {
+			if fresh, byLoopVar := c.fresh(loop, s.value, 0); fresh {
+				c.reported[s.call.Pos()] = true
+				var fixes []analysis.SuggestedFix
+				if stmt, ok := loop.(ast.Stmt); ok && !byLoopVar && !isGotoLoop(loop) {
+					fixes = c.hoist(stmt, s.value)
+				}
+				c.r.Report(s.value, fmt.Sprintf("retry loop creates the Idempotency-Key of its %s inside the loop, so every attempt is a new operation to the server and a lost response followed by a retry charges twice; create the key once before the loop", strings.ToUpper(method)), fixes...)
+				continue
 			}
-			c.r.Report(s.value, fmt.Sprintf("retry loop creates the Idempotency-Key of its %s inside the loop, so every attempt is a new operation to the server and a lost response followed by a retry charges twice; create the key once before the loop", strings.ToUpper(method)), fixes...)
+		}
+		// Created before the loop, but renewed by it (under a condition,
+		// or in a struct field).
+		if c.reassigned(loop, s.value) {
+			c.reported[s.value.Pos()] = true
+			c.r.Report(s.value, fmt.Sprintf("retry loop assigns a new value to the Idempotency-Key of its %s inside the loop, so the attempts after it are new operations to the server and a lost response followed by a retry charges twice; keep the key created once before the loop", strings.ToUpper(method)))
 		}
 	}
 }
 
+// reassigned reports whether the loop body assigns a fresh value to a
+// variable or field that e reads (key = uuid.NewString(), o.key = ...),
+// other than the lazy creation if key == "" { key = ... }.
+func (c *checker) reassigned(loop ast.Node, e ast.Expr) bool {
+	info := c.pass.TypesInfo
+	// The variables and fields e reads, as written (key, o.key).
+	targets := map[string]types.Object{}
+	ast.Inspect(e, func(n ast.Node) bool {
+		switch n := n.(type) {
+		case *ast.Ident:
+			if v, ok := info.Uses[n].(*types.Var); ok && !v.IsField() {
+				targets[n.Name] = v
+			}
+		case *ast.SelectorExpr:
+			if root := rootVar(info, n); root != nil {
+				targets[types.ExprString(n)] = root
+			}
+		}
+		return true
+	})
+	matches := func(l ast.Expr) bool {
+		l = ast.Unparen(l)
+		obj, ok := targets[types.ExprString(l)]
+		if !ok {
+			return false
+		}
+		if id, ok := l.(*ast.Ident); ok {
+			return info.ObjectOf(id) == obj
+		}
+		sel, ok := l.(*ast.SelectorExpr)
+		return ok && rootVar(info, sel) == obj
+	}
+	found := false
+	ast.PreorderStack(loopBody(loop), nil, func(n ast.Node, stack []ast.Node) bool {
+		if _, ok := n.(*ast.FuncLit); ok || found {
+			return false
+		}
+		as, ok := n.(*ast.AssignStmt)
+		if !ok || as.Tok != token.ASSIGN || len(as.Lhs) != len(as.Rhs) {
+			return true
+		}
+		for i, l := range as.Lhs {
+			if !matches(l) || lazyInit(info, stack, l) {
+				continue
+			}
+			if f, _ := c.fresh(loop, as.Rhs[i], 0); f || c.generates(as.Rhs[i]) {
+				found = true
+			}
+		}
+		return !found
+	})
+	return found
+}
+
+// generates reports whether e calls a generator (uuid.NewString, rand...).
+func (c *checker) generates(e ast.Expr) bool {
+	gen := false
+	ast.Inspect(e, func(n ast.Node) bool {
+		if call, ok := n.(*ast.CallExpr); ok {
+			if f := vetutil.Callee(c.pass.TypesInfo, call); f != nil && generator(f, len(call.Args)) {
+				gen = true
+			}
+		}
+		return !gen
+	})
+	return gen
+}
+
+// rootVar returns the variable a selector chain starts from (o in o.key), or nil.
+func rootVar(info *types.Info, e ast.Expr) types.Object {
+	for {
+		switch x := ast.Unparen(e).(type) {
+		case *ast.SelectorExpr:
+			if s, ok := info.Selections[x]; !ok || s.Kind() != types.FieldVal {
+				return nil
+			}
+			e = x.X
+		case *ast.Ident:
+			v, _ := info.Uses[x].(*types.Var)
+			if v == nil {
+				return nil
+			}
+			return v
+		default:
+			return nil
+		}
+	}
+}
+
+// lazyInit reports whether the assignment to l sits under if l == "" (or
+// == nil, or len(l) == 0): the key is created once, on the first attempt.
+func lazyInit(info *types.Info, stack []ast.Node, l ast.Expr) bool {
+	want := types.ExprString(ast.Unparen(l))
+	for _, n := range stack {
+		ifs, ok := n.(*ast.IfStmt)
+		if !ok {
+			continue
+		}
+		bin, ok := ast.Unparen(ifs.Cond).(*ast.BinaryExpr)
+		if !ok || bin.Op != token.EQL {
+			continue
+		}
+		for _, side := range []ast.Expr{bin.X, bin.Y} {
+			side = ast.Unparen(side)
+			if call, ok := side.(*ast.CallExpr); ok && len(call.Args) == 1 {
+				if id, ok := call.Fun.(*ast.Ident); ok && id.Name == "len" {
+					side = ast.Unparen(call.Args[0])
+				}
+			}
+			if types.ExprString(side) == want {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// checkReused reports a request with a body, built before the loop and sent
+// on every attempt: the first attempt consumes (and closes) the body, so a
+// retry sends none.
+func (c *checker) checkReused(loop ast.Node, do, newReq *ast.CallExpr, reqVar *types.Var, method string) {
+	if reqVar == nil || vetutil.Encloses(loopBody(loop), newReq) || c.reported[do.Pos()+1] {
+		return
+	}
+	if _, ok := loop.(*ast.FuncLit); ok {
+		return
+	}
+	body := newReq.Args[len(newReq.Args)-1]
+	if tv := c.pass.TypesInfo.Types[body]; tv.IsNil() {
+		return
+	}
+	if sel, ok := ast.Unparen(body).(*ast.SelectorExpr); ok && sel.Sel.Name == "NoBody" {
+		return
+	}
+	// req = http.NewRequest(...) again, req.Body = ..., req.GetBody(),
+	// req.Clone(...) in the loop renew it.
+	renewed := false
+	ast.Inspect(loopBody(loop), func(n ast.Node) bool {
+		if as, ok := n.(*ast.AssignStmt); ok {
+			for _, l := range as.Lhs {
+				if id, ok := ast.Unparen(l).(*ast.Ident); ok && c.pass.TypesInfo.ObjectOf(id) == reqVar {
+					renewed = true
+				}
+			}
+		}
+		sel, ok := n.(*ast.SelectorExpr)
+		if !ok {
+			return !renewed
+		}
+		if id, ok := ast.Unparen(sel.X).(*ast.Ident); ok && c.pass.TypesInfo.Uses[id] == reqVar &&
+			(sel.Sel.Name == "Body" || sel.Sel.Name == "GetBody" || sel.Sel.Name == "Clone") {
+			renewed = true
+		}
+		return !renewed
+	})
+	if renewed {
+		return
+	}
+	c.reported[do.Pos()+1] = true
+	c.r.Report(do, fmt.Sprintf("retry loop sends the same %s request, built before the loop, on every attempt: the first attempt consumes its body, so a retry sends an empty body and fails (or is a different operation to the server); build the request inside the loop, with the key created once before it", strings.ToUpper(method)))
+}
+
 var unsafeMethod = map[string]bool{"POST": true, "PUT": true, "PATCH": true, "DELETE": true}
 
-func requestMethod(info *types.Info, call *ast.CallExpr) (string, bool) {
+// requestMethod returns the method of an http.NewRequest[WithContext] call: a
+// constant, or a local variable assigned one constant only.
+func (c *checker) requestMethod(call *ast.CallExpr) (string, bool) {
+	info := c.pass.TypesInfo
 	f := vetutil.Callee(info, call)
 	var arg ast.Expr
 	switch {
@@ -222,11 +499,58 @@ func requestMethod(info *types.Info, call *ast.CallExpr) (string, bool) {
 	default:
 		return "", false
 	}
-	tv, ok := info.Types[arg]
+	if s, ok := constString(info, arg); ok {
+		return s, true
+	}
+	// method := http.MethodPost; ... NewRequest(method, ...)
+	id, ok := ast.Unparen(arg).(*ast.Ident)
+	if !ok {
+		return "", false
+	}
+	v, ok := info.Uses[id].(*types.Var)
+	if !ok || c.assignments(v) != 1 {
+		return "", false
+	}
+	if def := c.definition(v); def != nil {
+		return constString(info, def)
+	}
+	return "", false
+}
+
+func constString(info *types.Info, e ast.Expr) (string, bool) {
+	tv, ok := info.Types[e]
 	if !ok || tv.Value == nil || tv.Value.Kind() != constant.String {
 		return "", false
 	}
 	return constant.StringVal(tv.Value), true
+}
+
+// assignments counts the statements in the function that assign v (its
+// definition included), and counts &v as many: the variable escapes.
+func (c *checker) assignments(v *types.Var) int {
+	n := 0
+	ast.Inspect(c.body, func(node ast.Node) bool {
+		switch node := node.(type) {
+		case *ast.AssignStmt:
+			for _, l := range node.Lhs {
+				if id, ok := l.(*ast.Ident); ok && c.pass.TypesInfo.ObjectOf(id) == v {
+					n++
+				}
+			}
+		case *ast.UnaryExpr:
+			if id, ok := ast.Unparen(node.X).(*ast.Ident); ok && node.Op == token.AND && c.pass.TypesInfo.Uses[id] == v {
+				n += 2
+			}
+		case *ast.RangeStmt:
+			for _, e := range []ast.Expr{node.Key, node.Value} {
+				if id, ok := e.(*ast.Ident); ok && e != nil && c.pass.TypesInfo.ObjectOf(id) == v {
+					n += 2
+				}
+			}
+		}
+		return true
+	})
+	return n
 }
 
 // lastAssign returns the http.NewRequest call last assigned to v before pos
@@ -253,7 +577,7 @@ func (c *checker) lastAssign(v *types.Var, before token.Pos) *ast.CallExpr {
 }
 
 type keySet struct {
-	call  *ast.CallExpr // req.Header.Set(...)
+	call  ast.Node // req.Header.Set(...), or the statement req.Header[k] = v
 	value ast.Expr
 }
 
@@ -305,8 +629,26 @@ func (c *checker) keySets(req *types.Var) (sets []keySet, unknown bool) {
 				if isReqHeader(l) {
 					unknown = true // req.Header = h
 				}
-				if ix, ok := l.(*ast.IndexExpr); ok && isReqHeader(ix.X) {
-					unknown = true // req.Header[k] = v
+				ix, ok := l.(*ast.IndexExpr)
+				if !ok || !isReqHeader(ix.X) {
+					continue
+				}
+				// req.Header["Idempotency-Key"] = []string{key}
+				name, ok := constString(info, ix.Index)
+				switch {
+				case !ok || len(n.Lhs) != len(n.Rhs):
+					unknown = true
+				case keyHeader.MatchString(name):
+					value := n.Rhs[0]
+					for i := range n.Lhs {
+						if n.Lhs[i] == l {
+							value = n.Rhs[i]
+						}
+					}
+					if lit, ok := ast.Unparen(value).(*ast.CompositeLit); ok && len(lit.Elts) == 1 {
+						value = lit.Elts[0]
+					}
+					sets = append(sets, keySet{call: n, value: value})
 				}
 			}
 		}
@@ -321,7 +663,7 @@ func (c *checker) keySets(req *types.Var) (sets []keySet, unknown bool) {
 // the loop declares whose value is fresh, or the loop's counter. byLoopVar
 // is true if it depends on the loop's counter, so hoisting is not a
 // mechanical fix.
-func (c *checker) fresh(loop ast.Stmt, e ast.Expr, depth int) (fresh, byLoopVar bool) {
+func (c *checker) fresh(loop ast.Node, e ast.Expr, depth int) (fresh, byLoopVar bool) {
 	if depth > 4 {
 		return false, false
 	}
@@ -358,7 +700,7 @@ type posNode token.Pos
 func (p posNode) Pos() token.Pos { return token.Pos(p) }
 func (p posNode) End() token.Pos { return token.Pos(p) + 1 }
 
-func isCounter(loop ast.Stmt, v *types.Var) bool {
+func isCounter(loop ast.Node, v *types.Var) bool {
 	switch l := loop.(type) {
 	case *ast.ForStmt:
 		return l.Init != nil && vetutil.Encloses(l.Init, posNode(v.Pos()))
@@ -407,7 +749,15 @@ func generator(f *types.Func, nargs int) bool {
 // expression.
 func (c *checker) hoist(loop ast.Stmt, value ast.Expr) []analysis.SuggestedFix {
 	fset := c.pass.Fset
-	indent := strings.Repeat("\t", fset.Position(loop.Pos()).Column-1)
+	// A labeled loop keeps its label: the key goes above "label: for".
+	at := loop.Pos()
+	vetutil.InspectShallow(c.body, func(n ast.Node) bool {
+		if l, ok := n.(*ast.LabeledStmt); ok && l.Stmt == loop {
+			at = l.Pos()
+		}
+		return true
+	})
+	indent := strings.Repeat("\t", fset.Position(at).Column-1)
 	src := func(n ast.Node) string {
 		tf := fset.File(n.Pos())
 		content, err := c.pass.ReadFile(tf.Name())
@@ -444,7 +794,7 @@ func (c *checker) hoist(loop ast.Stmt, value ast.Expr) []analysis.SuggestedFix {
 				return []analysis.SuggestedFix{{
 					Message: "create the key once, before the loop",
 					TextEdits: []analysis.TextEdit{
-						{Pos: loop.Pos(), End: loop.Pos(), NewText: []byte(text + "\n" + indent)},
+						{Pos: at, End: at, NewText: []byte(text + "\n" + indent)},
 						{Pos: start, End: end},
 					},
 				}}
@@ -456,6 +806,27 @@ func (c *checker) hoist(loop ast.Stmt, value ast.Expr) []analysis.SuggestedFix {
 	if text == "" || c.usesLoopVars(loop, value) {
 		return nil
 	}
+	// Two keys in one loop (two requests) must stay two keys: one hoisted
+	// name for both would make the second request a replay of the first.
+	sets := 0
+	ast.Inspect(loopBody(loop), func(n ast.Node) bool {
+		if call, ok := n.(*ast.CallExpr); ok {
+			if sel, ok := ast.Unparen(call.Fun).(*ast.SelectorExpr); ok && (sel.Sel.Name == "Set" || sel.Sel.Name == "Add") && len(call.Args) == 2 {
+				if name, ok := constString(c.pass.TypesInfo, call.Args[0]); ok && keyHeader.MatchString(name) {
+					sets++
+				}
+			}
+		}
+		if ix, ok := n.(*ast.IndexExpr); ok {
+			if name, ok := constString(c.pass.TypesInfo, ix.Index); ok && keyHeader.MatchString(name) {
+				sets++
+			}
+		}
+		return true
+	})
+	if sets > 1 {
+		return nil
+	}
 	name := "idempotencyKey"
 	if scope := c.pass.Pkg.Scope().Innermost(loop.Pos()); scope != nil {
 		if _, obj := scope.LookupParent(name, loop.Pos()); obj != nil {
@@ -465,7 +836,7 @@ func (c *checker) hoist(loop ast.Stmt, value ast.Expr) []analysis.SuggestedFix {
 	return []analysis.SuggestedFix{{
 		Message: "create the key once, before the loop",
 		TextEdits: []analysis.TextEdit{
-			{Pos: loop.Pos(), End: loop.Pos(), NewText: []byte(name + " := " + text + "\n" + indent)},
+			{Pos: at, End: at, NewText: []byte(name + " := " + text + "\n" + indent)},
 			{Pos: value.Pos(), End: value.End(), NewText: []byte(name)},
 		},
 	}}
@@ -473,7 +844,7 @@ func (c *checker) hoist(loop ast.Stmt, value ast.Expr) []analysis.SuggestedFix {
 
 // usesLoopVars reports whether e refers to a variable declared in loop, so
 // it cannot move above it.
-func (c *checker) usesLoopVars(loop ast.Stmt, e ast.Expr) bool {
+func (c *checker) usesLoopVars(loop ast.Node, e ast.Expr) bool {
 	uses := false
 	ast.Inspect(e, func(n ast.Node) bool {
 		if id, ok := n.(*ast.Ident); ok {

@@ -27,7 +27,9 @@ context.DeadlineExceeded, ctx.Err() or <-ctx.Done() that returns nil, continues
 or sets the error to nil tells the caller the work is done: the caller commits a
 half-done transaction or acknowledges an event whose writes never happened.
 Errors of the transaction's own calls (Exec, Commit, sqlc queries on it) that are
-dropped hide the same failures.`,
+dropped hide the same failures. Only where a transaction is open: a worker
+loop's "case <-ctx.Done(): return nil" with the transaction begun elsewhere, or
+a branch after the commit, is a clean shutdown.`,
 	URL: "https://github.com/idemgen/idemgen#idemgen-vet",
 	Run: run,
 }
@@ -42,7 +44,8 @@ func run(pass *analysis.Pass) (any, error) {
 		if res := typ.Results; res != nil && len(res.List) > 0 {
 			returnsError = isError(pass.TypesInfo.TypeOf(res.List[len(res.List)-1].Type))
 		}
-		checkCancel(pass, r, body, returnsError)
+		live := liveTx(pass.TypesInfo, typ, body)
+		checkCancel(pass, r, body, returnsError, live)
 		checkDropped(pass, r, body)
 	})
 	return nil, nil
@@ -73,38 +76,223 @@ func hasTx(info *types.Info, typ *ast.FuncType, body *ast.BlockStmt) bool {
 	return found
 }
 
-// checkCancel reports cancellation branches that swallow it.
-func checkCancel(pass *analysis.Pass, r *vetutil.Reporter, body *ast.BlockStmt, returnsError bool) {
-	info := pass.TypesInfo
-	vetutil.InspectShallow(body, func(n ast.Node) bool {
+// liveTx returns whether a transaction is open at a position of the
+// function: the function takes one (it runs inside its caller's), reaches
+// one through a field, or a local transaction variable is in scope there and
+// was not committed or rolled back by a statement that runs before it on
+// every path. A worker loop's "case <-ctx.Done(): return nil" with the
+// transaction begun in another case, or after the commit, is a clean
+// shutdown, not a swallowed cancellation.
+func liveTx(info *types.Info, typ *ast.FuncType, body *ast.BlockStmt) func(token.Pos) bool {
+	if typ.Params != nil {
+		for _, f := range typ.Params.List {
+			if vetutil.IsTx(info.TypeOf(f.Type)) {
+				return func(token.Pos) bool { return true }
+			}
+		}
+	}
+	var locals []*types.Var
+	field := false // a transaction not declared here: open throughout
+	// ended[v] lists the statements that end v unconditionally, as the
+	// block they sit in and the statement itself.
+	type end struct{ block, stmt ast.Node }
+	ended := map[*types.Var][]end{}
+	ast.PreorderStack(body, nil, func(n ast.Node, stack []ast.Node) bool {
 		switch n := n.(type) {
+		case *ast.FuncLit:
+			return false
+		case *ast.Ident:
+			switch obj := info.ObjectOf(n).(type) {
+			case *types.Var:
+				if !vetutil.IsTx(obj.Type()) {
+					break
+				}
+				if obj.IsField() || !vetutil.Encloses(body, posNode(obj.Pos())) {
+					field = true // a field, or captured from the enclosing function
+				} else if info.Defs[n] == obj {
+					locals = append(locals, obj)
+				}
+			}
+		case *ast.CallExpr:
+			f := vetutil.Callee(info, n)
+			if f == nil || (f.Name() != "Commit" && f.Name() != "Rollback") {
+				break
+			}
+			id, ok := ast.Unparen(vetutil.Receiver(info, n)).(*ast.Ident)
+			if !ok {
+				break
+			}
+			v, ok := info.Uses[id].(*types.Var)
+			if !ok || !vetutil.IsTx(v.Type()) {
+				break
+			}
+			// The nearest enclosing block and the statement of it that
+			// holds the call, with no block in between: the call runs
+			// whenever that statement does.
+			for i := len(stack) - 1; i > 0; i-- {
+				switch b := stack[i-1].(type) {
+				case *ast.BlockStmt, *ast.CaseClause, *ast.CommClause:
+					switch stack[i].(type) {
+					case *ast.DeferStmt, *ast.GoStmt:
+					default:
+						ended[v] = append(ended[v], end{b, stack[i]})
+					}
+					return true
+				}
+				switch stack[i-1].(type) {
+				case *ast.IfStmt, *ast.ForStmt, *ast.RangeStmt, *ast.SwitchStmt, *ast.TypeSwitchStmt, *ast.SelectStmt:
+					if _, isBody := stack[i].(*ast.BlockStmt); isBody {
+						return true // inside a branch or a loop: not on every path
+					}
+				}
+			}
+		}
+		return true
+	})
+	return func(pos token.Pos) bool {
+		if field {
+			return true
+		}
+		for _, v := range locals {
+			if v.Pos() >= pos || v.Parent() == nil || !v.Parent().Contains(pos) {
+				continue
+			}
+			open := true
+			for _, e := range ended[v] {
+				if vetutil.Encloses(e.block, posNode(pos)) && e.stmt.End() <= pos {
+					open = false
+				}
+			}
+			if open {
+				return true
+			}
+		}
+		return false
+	}
+}
+
+type posNode token.Pos
+
+func (p posNode) Pos() token.Pos { return token.Pos(p) }
+func (p posNode) End() token.Pos { return token.Pos(p) + 1 }
+
+const swallowMsg = "cancellation is swallowed inside a transaction (%s): the caller sees success and commits a half-done operation or acknowledges an event whose writes never happened (lost event, or a double charge on the next attempt); return the error (e.g. return ctx.Err()) or roll the transaction back explicitly"
+
+// checkCancel reports cancellation branches that swallow it.
+func checkCancel(pass *analysis.Pass, r *vetutil.Reporter, body *ast.BlockStmt, returnsError bool, live func(token.Pos) bool) {
+	info := pass.TypesInfo
+	report := func(at ast.Node, why string) {
+		if why != "" && live(at.Pos()) {
+			r.Report(at, fmt.Sprintf(swallowMsg, why))
+		}
+	}
+	ast.PreorderStack(body, nil, func(n ast.Node, stack []ast.Node) bool {
+		switch n := n.(type) {
+		case *ast.FuncLit:
+			return false
 		case *ast.IfStmt:
 			test, negated, errVar := cancelTest(info, n.Cond)
 			if test == nil {
+				test, negated = initCtxErr(info, n)
+			}
+			if test == nil {
 				return true
 			}
-			var branch []ast.Stmt
-			if !negated {
-				branch = n.Body.List
-			} else if blk, ok := n.Else.(*ast.BlockStmt); ok {
-				branch = blk.List
-			} else {
-				return true
+			switch blk, _ := n.Else.(*ast.BlockStmt); {
+			case !negated:
+				report(test, swallows(info, n.Body.List, returnsError, errVar))
+			case blk != nil:
+				report(test, swallows(info, blk.List, returnsError, errVar))
+			case n.Else == nil && terminates(n.Body):
+				// if !errors.Is(err, context.Canceled) { return err }
+				// return nil: the cancelled error falls through.
+				if next := nextStmt(stack, n); next != nil {
+					if why := swallows(info, []ast.Stmt{next}, returnsError, nil); why == "the branch returns a nil error" || why == "the branch continues" {
+						report(test, "only other errors are returned; the cancellation falls through to "+map[bool]string{true: "a nil return", false: "continue"}[why == "the branch returns a nil error"])
+					}
+				}
 			}
-			if why := swallows(info, branch, returnsError, errVar); why != "" {
-				r.Report(test, fmt.Sprintf("cancellation is swallowed inside a transaction (%s): the caller sees success and commits a half-done operation or acknowledges an event whose writes never happened (lost event, or a double charge on the next attempt); return the error (e.g. return ctx.Err()) or roll the transaction back explicitly", why))
+		case *ast.SwitchStmt:
+			for _, cc := range n.Body.List {
+				cc := cc.(*ast.CaseClause)
+				for _, e := range cc.List {
+					var test ast.Expr
+					var errVar types.Object
+					if n.Tag == nil {
+						if t, neg, v := cancelTest(info, e); t != nil && !neg {
+							test, errVar = t, v
+						}
+					} else if isCancelErr(info, e) {
+						test, errVar = e, objOf(info, n.Tag)
+					}
+					if test != nil {
+						report(test, swallows(info, cc.Body, returnsError, errVar))
+						break
+					}
+				}
 			}
 		case *ast.CommClause:
 			recv := commRecv(n.Comm)
 			if recv == nil || !isDone(info, recv) {
 				return true
 			}
-			if why := swallows(info, n.Body, returnsError, nil); why != "" {
-				r.Report(recv, fmt.Sprintf("cancellation is swallowed inside a transaction (%s): the caller sees success and commits a half-done operation or acknowledges an event whose writes never happened (lost event, or a double charge on the next attempt); return ctx.Err() or roll the transaction back explicitly", why))
-			}
+			report(recv, swallows(info, n.Body, returnsError, nil))
 		}
 		return true
 	})
+}
+
+// initCtxErr recognises if err := ctx.Err(); err != nil { ... }.
+func initCtxErr(info *types.Info, n *ast.IfStmt) (test ast.Expr, negated bool) {
+	as, ok := n.Init.(*ast.AssignStmt)
+	if !ok || len(as.Lhs) != 1 || len(as.Rhs) != 1 || !isCtxErr(info, as.Rhs[0]) {
+		return nil, false
+	}
+	v := objOf(info, as.Lhs[0])
+	if id, ok := as.Lhs[0].(*ast.Ident); ok && v == nil {
+		v = info.Defs[id]
+	}
+	bin, ok := ast.Unparen(n.Cond).(*ast.BinaryExpr)
+	if !ok || v == nil || (bin.Op != token.NEQ && bin.Op != token.EQL) {
+		return nil, false
+	}
+	for _, pair := range [][2]ast.Expr{{bin.X, bin.Y}, {bin.Y, bin.X}} {
+		if objOf(info, pair[0]) == v && isNil(info, pair[1]) {
+			return bin, bin.Op == token.EQL
+		}
+	}
+	return nil, false
+}
+
+// terminates reports whether a block ends in a return.
+func terminates(b *ast.BlockStmt) bool {
+	if len(b.List) == 0 {
+		return false
+	}
+	_, ok := b.List[len(b.List)-1].(*ast.ReturnStmt)
+	return ok
+}
+
+// nextStmt returns the statement after s in its block, or nil.
+func nextStmt(stack []ast.Node, s ast.Stmt) ast.Stmt {
+	if len(stack) == 0 {
+		return nil
+	}
+	var list []ast.Stmt
+	switch b := stack[len(stack)-1].(type) {
+	case *ast.BlockStmt:
+		list = b.List
+	case *ast.CaseClause:
+		list = b.Body
+	case *ast.CommClause:
+		list = b.Body
+	}
+	for i, st := range list {
+		if st == s && i+1 < len(list) {
+			return list[i+1]
+		}
+	}
+	return nil
 }
 
 // cancelTest finds a cancellation test in cond. negated is true when cond
@@ -125,6 +313,14 @@ func cancelTest(info *types.Info, cond ast.Expr) (test ast.Expr, negated bool, e
 			}
 			if t, neg, v := cancelTest(info, c.Y); t != nil && !neg {
 				return t, false, v
+			}
+		case token.LAND:
+			// err != nil && errors.Is(err, context.Canceled): the body
+			// runs only when cancelled.
+			for _, side := range []ast.Expr{c.X, c.Y} {
+				if t, neg, v := cancelTest(info, side); t != nil && !neg {
+					return c, false, v
+				}
 			}
 		case token.EQL, token.NEQ:
 			x, y := ast.Unparen(c.X), ast.Unparen(c.Y)
@@ -263,6 +459,16 @@ func checkDropped(pass *analysis.Pass, r *vetutil.Reporter, body *ast.BlockStmt)
 	report := func(call *ast.CallExpr) {
 		f := vetutil.Callee(info, call)
 		recv := vetutil.Receiver(info, call)
+		// tx.QueryRow(...).Scan(&v): QueryRow's error comes out of Scan.
+		if f != nil && f.Name() == "Scan" && vetutil.ReturnsError(f) {
+			if inner, ok := ast.Unparen(recv).(*ast.CallExpr); ok {
+				g := vetutil.Callee(info, inner)
+				if t := info.TypeOf(vetutil.Receiver(info, inner)); g != nil && g.Name() == "QueryRow" && (vetutil.IsTx(t) || vetutil.IsQueries(t)) {
+					r.Report(call, "error of QueryRow(...).Scan on the transaction is dropped: after a failed statement PostgreSQL aborts the transaction, so the operation's writes are lost while it reports success (lost event); check the error and return it")
+					return
+				}
+			}
+		}
 		if f == nil || recv == nil || !vetutil.ReturnsError(f) || f.Name() == "Rollback" {
 			return
 		}

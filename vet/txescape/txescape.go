@@ -31,8 +31,9 @@ Inside such a function:
     before the key is, and the retry runs them again (double charge);
   - a statement through a *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn, *sql.DB or
     *sql.Conn, or a sqlc Queries not built from the tx (db.New(pool), a struct
-    field), runs outside the transaction: it is not undone on rollback and is
-    repeated on every retry.
+    field), or pgx.BeginFunc on a pool, runs outside the transaction: it is
+    not undone on rollback and is repeated on every retry. Statements on
+    tx.Conn() are inside it.
 Reads are reported too (they do not see the operation's own writes and hold a
 second connection); -txescape.allowreads allows them: Query/QueryRow whose SQL is
 a constant SELECT, and sqlc methods named Get*, List*, Count*, Find*, Select*,
@@ -91,8 +92,23 @@ func check(pass *analysis.Pass, r *vetutil.Reporter, fd *ast.FuncDecl, kind stri
 		}
 		f := vetutil.Callee(info, call)
 		recv := vetutil.Receiver(info, call)
+		// pgx.BeginFunc(ctx, s.pool, fn) runs fn in a transaction of its
+		// own; on the operation's tx it is a savepoint, which is fine.
+		if (vetutil.IsFunc(f, vetutil.PgxPath, "BeginFunc") || vetutil.IsFunc(f, vetutil.PgxPath, "BeginTxFunc")) && len(call.Args) > 1 {
+			if t := info.TypeOf(call.Args[1]); vetutil.IsPoolOrConn(t) {
+				r.Report(call, escapeMsg(dir, typeName(t)+" (pgx."+f.Name()+")", false, kind))
+			}
+			return true
+		}
 		if f == nil || recv == nil {
 			return true
+		}
+		// tx.Conn() is the connection the operation's transaction runs on:
+		// statements on it are inside that transaction.
+		if inner, ok := ast.Unparen(recv).(*ast.CallExpr); ok {
+			if g := vetutil.Callee(info, inner); g != nil && g.Name() == "Conn" && isOpTx(vetutil.Receiver(info, inner)) {
+				return true
+			}
 		}
 		rt := info.TypeOf(recv)
 		switch {

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-const acquireRelayLease = `-- name: AcquireRelayLease :one
+const AcquireRelayLease = `-- name: AcquireRelayLease :one
 WITH taken AS (
     INSERT INTO idem_relay_leader AS l (name, holder, token, expires_at)
     VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8))
@@ -43,7 +43,7 @@ type AcquireRelayLeaseRow struct {
 // token that fences its old one). acquired is false when another holder has
 // a live lease; remaining_ms then says when it expires.
 func (q *Queries) AcquireRelayLease(ctx context.Context, arg AcquireRelayLeaseParams) (AcquireRelayLeaseRow, error) {
-	row := q.db.QueryRow(ctx, acquireRelayLease,
+	row := q.db.QueryRow(ctx, AcquireRelayLease,
 		arg.Name,
 		arg.Holder,
 		arg.Token,
@@ -54,7 +54,7 @@ func (q *Queries) AcquireRelayLease(ctx context.Context, arg AcquireRelayLeasePa
 	return i, err
 }
 
-const adminGetKey = `-- name: AdminGetKey :one
+const AdminGetKey = `-- name: AdminGetKey :one
 SELECT scope, principal, key, fingerprint, status_code, headers, body, created_at, expires_at,
        (expires_at <= now())::bool AS expired
 FROM idem_keys
@@ -84,7 +84,7 @@ type AdminGetKeyRow struct {
 // A key as operators see it. FOR SHARE NOWAIT fails at once (55P03) when a
 // live transaction holds the row: a request taking over an expired key.
 func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (AdminGetKeyRow, error) {
-	row := q.db.QueryRow(ctx, adminGetKey, arg.Scope, arg.Principal, arg.Key)
+	row := q.db.QueryRow(ctx, AdminGetKey, arg.Scope, arg.Principal, arg.Key)
 	var i AdminGetKeyRow
 	err := row.Scan(
 		&i.Scope,
@@ -101,7 +101,7 @@ func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (Admin
 	return i, err
 }
 
-const claimKey = `-- name: ClaimKey :execrows
+const ClaimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
 WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3)
@@ -131,7 +131,7 @@ type ClaimKeyParams struct {
 // (the key is in flight) or a row exists (TakeOverExpiredKey and GetKey tell
 // which).
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, claimKey,
+	result, err := q.db.Exec(ctx, ClaimKey,
 		arg.Scope,
 		arg.Principal,
 		arg.Key,
@@ -145,7 +145,7 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, erro
 	return result.RowsAffected(), nil
 }
 
-const claimOutboxBatch = `-- name: ClaimOutboxBatch :many
+const ClaimOutboxBatch = `-- name: ClaimOutboxBatch :many
 WITH l AS (
     SELECT 1 FROM idem_relay_leader
     WHERE name = $3 AND token = $1 AND expires_at > now()
@@ -190,7 +190,7 @@ type ClaimOutboxBatchRow struct {
 // PENDING: a claim can never slip in behind a takeover. PostgreSQL's UPDATE
 // has no LIMIT, so the rows are picked in a CTE.
 func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchParams) ([]ClaimOutboxBatchRow, error) {
-	rows, err := q.db.Query(ctx, claimOutboxBatch,
+	rows, err := q.db.Query(ctx, ClaimOutboxBatch,
 		arg.ClaimToken,
 		arg.LeaseSeconds,
 		arg.Name,
@@ -222,7 +222,7 @@ func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchPara
 	return items, nil
 }
 
-const completeKey = `-- name: CompleteKey :execrows
+const CompleteKey = `-- name: CompleteKey :execrows
 UPDATE idem_keys
 SET status_code = $1, headers = $2, body = $3
 WHERE scope = $4 AND principal = $5 AND key = $6
@@ -238,7 +238,7 @@ type CompleteKeyParams struct {
 }
 
 func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, completeKey,
+	result, err := q.db.Exec(ctx, CompleteKey,
 		arg.StatusCode,
 		arg.Headers,
 		arg.Body,
@@ -252,7 +252,7 @@ func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64
 	return result.RowsAffected(), nil
 }
 
-const countOutboxBefore = `-- name: CountOutboxBefore :one
+const CountOutboxBefore = `-- name: CountOutboxBefore :one
 SELECT count(*)::bigint FROM idem_outbox o
 WHERE o.status = $1::text
   AND CASE WHEN $1::text = 'PUBLISHED' THEN o.published_at ELSE o.created_at END < $2
@@ -266,25 +266,25 @@ type CountOutboxBeforeParams struct {
 // For purge's dry run: rows in @status created (PARKED) or published
 // (PUBLISHED) before @before.
 func (q *Queries) CountOutboxBefore(ctx context.Context, arg CountOutboxBeforeParams) (int64, error) {
-	row := q.db.QueryRow(ctx, countOutboxBefore, arg.Status, arg.Before)
+	row := q.db.QueryRow(ctx, CountOutboxBefore, arg.Status, arg.Before)
 	var column_1 int64
 	err := row.Scan(&column_1)
 	return column_1, err
 }
 
-const deleteDeadLetter = `-- name: DeleteDeadLetter :execrows
+const DeleteDeadLetter = `-- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = $1
 `
 
 func (q *Queries) DeleteDeadLetter(ctx context.Context, id int64) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteDeadLetter, id)
+	result, err := q.db.Exec(ctx, DeleteDeadLetter, id)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteDeadLettersBefore = `-- name: DeleteDeadLettersBefore :execrows
+const DeleteDeadLettersBefore = `-- name: DeleteDeadLettersBefore :execrows
 DELETE FROM idem_dead_letters
 WHERE id IN (
     SELECT d.id FROM idem_dead_letters d
@@ -302,14 +302,14 @@ type DeleteDeadLettersBeforeParams struct {
 
 // Oldest first through idem_dead_letters_created_at.
 func (q *Queries) DeleteDeadLettersBefore(ctx context.Context, arg DeleteDeadLettersBeforeParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteDeadLettersBefore, arg.Before, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeleteDeadLettersBefore, arg.Before, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteExpiredKeys = `-- name: DeleteExpiredKeys :execrows
+const DeleteExpiredKeys = `-- name: DeleteExpiredKeys :execrows
 DELETE FROM idem_keys
 WHERE (scope, principal, key) IN (
     SELECT k.scope, k.principal, k.key
@@ -325,14 +325,14 @@ WHERE (scope, principal, key) IN (
 // chosen in a sub-select. SKIP LOCKED keeps retention from waiting on (or
 // blocking) a request that is taking over an expired key right now.
 func (q *Queries) DeleteExpiredKeys(ctx context.Context, batchSize int32) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteExpiredKeys, batchSize)
+	result, err := q.db.Exec(ctx, DeleteExpiredKeys, batchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteKey = `-- name: DeleteKey :execrows
+const DeleteKey = `-- name: DeleteKey :execrows
 DELETE FROM idem_keys WHERE scope = $1 AND principal = $2 AND key = $3
 `
 
@@ -343,14 +343,14 @@ type DeleteKeyParams struct {
 }
 
 func (q *Queries) DeleteKey(ctx context.Context, arg DeleteKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteKey, arg.Scope, arg.Principal, arg.Key)
+	result, err := q.db.Exec(ctx, DeleteKey, arg.Scope, arg.Principal, arg.Key)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteKeysExpiredAgo = `-- name: DeleteKeysExpiredAgo :execrows
+const DeleteKeysExpiredAgo = `-- name: DeleteKeysExpiredAgo :execrows
 DELETE FROM idem_keys
 WHERE (scope, principal, key) IN (
     SELECT k.scope, k.principal, k.key
@@ -373,14 +373,14 @@ type DeleteKeysExpiredAgoParams struct {
 // a key that is still being replayed. SKIP LOCKED: a key being taken over by
 // a request right now is left alone.
 func (q *Queries) DeleteKeysExpiredAgo(ctx context.Context, arg DeleteKeysExpiredAgoParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteKeysExpiredAgo, arg.GraceSeconds, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeleteKeysExpiredAgo, arg.GraceSeconds, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteParkedOutbox = `-- name: DeleteParkedOutbox :execrows
+const DeleteParkedOutbox = `-- name: DeleteParkedOutbox :execrows
 DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
@@ -399,14 +399,14 @@ type DeleteParkedOutboxParams struct {
 // One batch of purge: parked rows enqueued before @before, through
 // idem_outbox_parked.
 func (q *Queries) DeleteParkedOutbox(ctx context.Context, arg DeleteParkedOutboxParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteParkedOutbox, arg.Before, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeleteParkedOutbox, arg.Before, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deleteProcessedEventsBefore = `-- name: DeleteProcessedEventsBefore :execrows
+const DeleteProcessedEventsBefore = `-- name: DeleteProcessedEventsBefore :execrows
 DELETE FROM idem_processed_events
 WHERE (context, event_id) IN (
     SELECT p.context, p.event_id FROM idem_processed_events p
@@ -425,14 +425,14 @@ type DeleteProcessedEventsBeforeParams struct {
 // Oldest first through idem_processed_events_processed_at, so a batch reads
 // only the rows it deletes.
 func (q *Queries) DeleteProcessedEventsBefore(ctx context.Context, arg DeleteProcessedEventsBeforeParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteProcessedEventsBefore, arg.Before, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeleteProcessedEventsBefore, arg.Before, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const deletePublishedOutbox = `-- name: DeletePublishedOutbox :execrows
+const DeletePublishedOutbox = `-- name: DeletePublishedOutbox :execrows
 DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
@@ -452,14 +452,14 @@ type DeletePublishedOutboxParams struct {
 // idem_outbox_published; ordering by id would walk the primary key through
 // every PENDING and recent row and filter them out.
 func (q *Queries) DeletePublishedOutbox(ctx context.Context, arg DeletePublishedOutboxParams) (int64, error) {
-	result, err := q.db.Exec(ctx, deletePublishedOutbox, arg.Before, arg.BatchSize)
+	result, err := q.db.Exec(ctx, DeletePublishedOutbox, arg.Before, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const enqueueOutbox = `-- name: EnqueueOutbox :exec
+const EnqueueOutbox = `-- name: EnqueueOutbox :exec
 INSERT INTO idem_outbox (topic, record_key, payload, headers)
 VALUES ($1, $2, $3, $4)
 `
@@ -472,7 +472,7 @@ type EnqueueOutboxParams struct {
 }
 
 func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) error {
-	_, err := q.db.Exec(ctx, enqueueOutbox,
+	_, err := q.db.Exec(ctx, EnqueueOutbox,
 		arg.Topic,
 		arg.RecordKey,
 		arg.Payload,
@@ -481,7 +481,7 @@ func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) er
 	return err
 }
 
-const getDeadLetter = `-- name: GetDeadLetter :one
+const GetDeadLetter = `-- name: GetDeadLetter :one
 SELECT id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
        attempts, last_error, created_at, replayed_at
 FROM idem_dead_letters
@@ -505,7 +505,7 @@ type GetDeadLetterRow struct {
 }
 
 func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (GetDeadLetterRow, error) {
-	row := q.db.QueryRow(ctx, getDeadLetter, id)
+	row := q.db.QueryRow(ctx, GetDeadLetter, id)
 	var i GetDeadLetterRow
 	err := row.Scan(
 		&i.ID,
@@ -525,7 +525,7 @@ func (q *Queries) GetDeadLetter(ctx context.Context, id int64) (GetDeadLetterRow
 	return i, err
 }
 
-const getKey = `-- name: GetKey :one
+const GetKey = `-- name: GetKey :one
 SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
@@ -548,7 +548,7 @@ type GetKeyRow struct {
 
 // live is false for an expired row: one being taken over is still in flight.
 func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, error) {
-	row := q.db.QueryRow(ctx, getKey, arg.Scope, arg.Principal, arg.Key)
+	row := q.db.QueryRow(ctx, GetKey, arg.Scope, arg.Principal, arg.Key)
 	var i GetKeyRow
 	err := row.Scan(
 		&i.Fingerprint,
@@ -561,18 +561,18 @@ func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, erro
 	return i, err
 }
 
-const getSchemaVersion = `-- name: GetSchemaVersion :one
+const GetSchemaVersion = `-- name: GetSchemaVersion :one
 SELECT digest FROM idem_schema_version WHERE singleton
 `
 
 func (q *Queries) GetSchemaVersion(ctx context.Context) (string, error) {
-	row := q.db.QueryRow(ctx, getSchemaVersion)
+	row := q.db.QueryRow(ctx, GetSchemaVersion)
 	var digest string
 	err := row.Scan(&digest)
 	return digest, err
 }
 
-const insertDeadLetter = `-- name: InsertDeadLetter :exec
+const InsertDeadLetter = `-- name: InsertDeadLetter :exec
 INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values,
                                record_digest, attempts, last_error)
 VALUES ($1, $2, $3, $4, $5, $6, $7::bytea[], $8::bytea[],
@@ -597,7 +597,7 @@ type InsertDeadLetterParams struct {
 // A conflict is the same record (same bytes, same position) delivered again
 // after a crash between the dead-letter commit and the offset commit.
 func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterParams) error {
-	_, err := q.db.Exec(ctx, insertDeadLetter,
+	_, err := q.db.Exec(ctx, InsertDeadLetter,
 		arg.Context,
 		arg.Topic,
 		arg.Kpartition,
@@ -613,7 +613,7 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 	return err
 }
 
-const insertProcessedEvent = `-- name: InsertProcessedEvent :execrows
+const InsertProcessedEvent = `-- name: InsertProcessedEvent :execrows
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
 VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (context, event_id) DO NOTHING
@@ -630,7 +630,7 @@ type InsertProcessedEventParams struct {
 // Records that context applied event_id. 0 rows: it already had (a
 // duplicate), and the handler must not run.
 func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedEventParams) (int64, error) {
-	result, err := q.db.Exec(ctx, insertProcessedEvent,
+	result, err := q.db.Exec(ctx, InsertProcessedEvent,
 		arg.Context,
 		arg.EventID,
 		arg.Topic,
@@ -643,7 +643,7 @@ func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedE
 	return result.RowsAffected(), nil
 }
 
-const insertProcessedEvents = `-- name: InsertProcessedEvents :many
+const InsertProcessedEvents = `-- name: InsertProcessedEvents :many
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
 SELECT $1, unnest($2::text[]), $3, $4, unnest($5::bigint[])
 ON CONFLICT (context, event_id) DO NOTHING
@@ -661,7 +661,7 @@ type InsertProcessedEventsParams struct {
 // The batch form: one statement for a whole batch of one partition. Returns
 // the ids that were new; the others are duplicates.
 func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessedEventsParams) ([]string, error) {
-	rows, err := q.db.Query(ctx, insertProcessedEvents,
+	rows, err := q.db.Query(ctx, InsertProcessedEvents,
 		arg.Context,
 		arg.EventIds,
 		arg.Topic,
@@ -686,18 +686,18 @@ func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessed
 	return items, nil
 }
 
-const janitorUnlock = `-- name: JanitorUnlock :one
+const JanitorUnlock = `-- name: JanitorUnlock :one
 SELECT pg_advisory_unlock((7652::bigint << 32) | 'idem_keys'::regclass::oid::bigint)
 `
 
 func (q *Queries) JanitorUnlock(ctx context.Context) (bool, error) {
-	row := q.db.QueryRow(ctx, janitorUnlock)
+	row := q.db.QueryRow(ctx, JanitorUnlock)
 	var pg_advisory_unlock bool
 	err := row.Scan(&pg_advisory_unlock)
 	return pg_advisory_unlock, err
 }
 
-const listDeadLetters = `-- name: ListDeadLetters :many
+const ListDeadLetters = `-- name: ListDeadLetters :many
 SELECT d.id, d.context, d.topic, d.kpartition, d.koffset, d.attempts, d.last_error, d.created_at, d.replayed_at,
        coalesce(length(d.value), 0)::bigint AS value_len
 FROM idem_dead_letters d
@@ -730,7 +730,7 @@ type ListDeadLettersRow struct {
 
 // Dead letters not yet replayed (all of them with @include_replayed).
 func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams) ([]ListDeadLettersRow, error) {
-	rows, err := q.db.Query(ctx, listDeadLetters,
+	rows, err := q.db.Query(ctx, ListDeadLetters,
 		arg.Context,
 		arg.Topic,
 		arg.IncludeReplayed,
@@ -765,7 +765,7 @@ func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams
 	return items, nil
 }
 
-const listParkedOutbox = `-- name: ListParkedOutbox :many
+const ListParkedOutbox = `-- name: ListParkedOutbox :many
 SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, coalesce(o.last_error, '')::text AS last_error
 FROM idem_outbox o
 WHERE o.status = 'PARKED'
@@ -792,7 +792,7 @@ type ListParkedOutboxRow struct {
 }
 
 func (q *Queries) ListParkedOutbox(ctx context.Context, arg ListParkedOutboxParams) ([]ListParkedOutboxRow, error) {
-	rows, err := q.db.Query(ctx, listParkedOutbox, arg.ID, arg.Topic, arg.MaxRows)
+	rows, err := q.db.Query(ctx, ListParkedOutbox, arg.ID, arg.Topic, arg.MaxRows)
 	if err != nil {
 		return nil, err
 	}
@@ -819,16 +819,16 @@ func (q *Queries) ListParkedOutbox(ctx context.Context, arg ListParkedOutboxPara
 	return items, nil
 }
 
-const listenOutbox = `-- name: ListenOutbox :exec
+const ListenOutbox = `-- name: ListenOutbox :exec
 LISTEN idem_outbox
 `
 
 func (q *Queries) ListenOutbox(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, listenOutbox)
+	_, err := q.db.Exec(ctx, ListenOutbox)
 	return err
 }
 
-const lockKeyNowait = `-- name: LockKeyNowait :one
+const LockKeyNowait = `-- name: LockKeyNowait :one
 SELECT expires_at FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
 FOR UPDATE NOWAIT
@@ -844,13 +844,13 @@ type LockKeyNowaitParams struct {
 // holding it (a request in flight on this key) makes this fail with 55P03,
 // and release refuses rather than wait or break that request.
 func (q *Queries) LockKeyNowait(ctx context.Context, arg LockKeyNowaitParams) (pgtype.Timestamptz, error) {
-	row := q.db.QueryRow(ctx, lockKeyNowait, arg.Scope, arg.Principal, arg.Key)
+	row := q.db.QueryRow(ctx, LockKeyNowait, arg.Scope, arg.Principal, arg.Key)
 	var expires_at pgtype.Timestamptz
 	err := row.Scan(&expires_at)
 	return expires_at, err
 }
 
-const markDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
+const MarkDeadLetterReplayed = `-- name: MarkDeadLetterReplayed :execrows
 UPDATE idem_dead_letters SET replayed_at = now()
 WHERE id = $1 AND replayed_at IS NULL
 `
@@ -858,14 +858,14 @@ WHERE id = $1 AND replayed_at IS NULL
 // Runs in the replay's transaction, first: the row lock serializes concurrent
 // replays of one dead letter, and a replayed one is not replayed again.
 func (q *Queries) MarkDeadLetterReplayed(ctx context.Context, id int64) (int64, error) {
-	result, err := q.db.Exec(ctx, markDeadLetterReplayed, id)
+	result, err := q.db.Exec(ctx, MarkDeadLetterReplayed, id)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const markOutboxFailed = `-- name: MarkOutboxFailed :one
+const MarkOutboxFailed = `-- name: MarkOutboxFailed :one
 WITH marked AS (
   UPDATE idem_outbox o
   SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
@@ -904,7 +904,7 @@ type MarkOutboxFailedRow struct {
 // on the claim token and the lease like MarkOutboxPublished. It reports how
 // many rows it marked and how many of them it parked.
 func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (MarkOutboxFailedRow, error) {
-	row := q.db.QueryRow(ctx, markOutboxFailed,
+	row := q.db.QueryRow(ctx, MarkOutboxFailed,
 		arg.MaxAttempts,
 		arg.ClaimToken,
 		arg.Name,
@@ -918,7 +918,7 @@ func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedPara
 	return i, err
 }
 
-const markOutboxPublished = `-- name: MarkOutboxPublished :execrows
+const MarkOutboxPublished = `-- name: MarkOutboxPublished :execrows
 UPDATE idem_outbox
 SET status = 'PUBLISHED', published_at = now(), claim_token = NULL, locked_until = NULL, last_error = NULL
 WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'PUBLISHING'
@@ -934,35 +934,37 @@ type MarkOutboxPublishedParams struct {
 // Only the relay whose token claimed the rows, and is still the lease's
 // token, may mark them: one whose lease was taken over is refused (0 rows).
 func (q *Queries) MarkOutboxPublished(ctx context.Context, arg MarkOutboxPublishedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, markOutboxPublished, arg.Ids, arg.ClaimToken, arg.Name)
+	result, err := q.db.Exec(ctx, MarkOutboxPublished, arg.Ids, arg.ClaimToken, arg.Name)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const migrateLock = `-- name: MigrateLock :exec
-SELECT pg_advisory_xact_lock(7164539873465300001)
+const MigrateLock = `-- name: MigrateLock :exec
+SELECT pg_advisory_xact_lock(hashtext('idem_migrate'), hashtext(current_schema()))
 `
 
 // Serializes concurrent idem.Migrate calls (several pods starting at once):
-// CREATE ... IF NOT EXISTS alone can still fail when two sessions race.
+// CREATE ... IF NOT EXISTS alone can still fail when two sessions race. The
+// lock is per schema (the tables go into current_schema()), so services in
+// other schemas of the same database never wait for each other.
 func (q *Queries) MigrateLock(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, migrateLock)
+	_, err := q.db.Exec(ctx, MigrateLock)
 	return err
 }
 
-const notifyOutbox = `-- name: NotifyOutbox :exec
+const NotifyOutbox = `-- name: NotifyOutbox :exec
 SELECT pg_notify('idem_outbox', '')
 `
 
 // Wakes the relay (delivered at commit), e.g. after parked rows are requeued.
 func (q *Queries) NotifyOutbox(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, notifyOutbox)
+	_, err := q.db.Exec(ctx, NotifyOutbox)
 	return err
 }
 
-const outboxCounts = `-- name: OutboxCounts :many
+const OutboxCounts = `-- name: OutboxCounts :many
 SELECT status, count(*)::bigint AS n FROM idem_outbox GROUP BY status
 `
 
@@ -972,7 +974,7 @@ type OutboxCountsRow struct {
 }
 
 func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
-	rows, err := q.db.Query(ctx, outboxCounts)
+	rows, err := q.db.Query(ctx, OutboxCounts)
 	if err != nil {
 		return nil, err
 	}
@@ -991,7 +993,39 @@ func (q *Queries) OutboxCounts(ctx context.Context) ([]OutboxCountsRow, error) {
 	return items, nil
 }
 
-const outboxStatus = `-- name: OutboxStatus :one
+const OutboxLag = `-- name: OutboxLag :one
+SELECT
+    ((SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')
+     + (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHING'))::bigint AS pending,
+    (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PARKED')::bigint AS parked,
+    (SELECT count(*) FROM idem_dead_letters d WHERE d.replayed_at IS NULL)::bigint AS dead_letters,
+    COALESCE(EXTRACT(EPOCH FROM now() - (SELECT o.created_at FROM idem_outbox o WHERE o.status = 'PENDING' ORDER BY o.id LIMIT 1)), 0)::float8 AS oldest_pending_seconds
+`
+
+type OutboxLagRow struct {
+	Pending              int64
+	Parked               int64
+	DeadLetters          int64
+	OldestPendingSeconds float64
+}
+
+// What the observable gauges report, cheap enough to read at every metrics
+// collection: each count is read from its partial index (never the
+// PUBLISHED history), and the oldest PENDING row is the first entry of
+// idem_outbox_pending.
+func (q *Queries) OutboxLag(ctx context.Context) (OutboxLagRow, error) {
+	row := q.db.QueryRow(ctx, OutboxLag)
+	var i OutboxLagRow
+	err := row.Scan(
+		&i.Pending,
+		&i.Parked,
+		&i.DeadLetters,
+		&i.OldestPendingSeconds,
+	)
+	return i, err
+}
+
+const OutboxStatus = `-- name: OutboxStatus :one
 SELECT
     (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')::bigint    AS pending,
     (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PUBLISHING')::bigint AS publishing,
@@ -1014,7 +1048,7 @@ type OutboxStatusRow struct {
 // PUBLISHING, PUBLISHED, PARKED), never a scan of the whole table; the oldest
 // PENDING row is the first entry of idem_outbox_pending.
 func (q *Queries) OutboxStatus(ctx context.Context) (OutboxStatusRow, error) {
-	row := q.db.QueryRow(ctx, outboxStatus)
+	row := q.db.QueryRow(ctx, OutboxStatus)
 	var i OutboxStatusRow
 	err := row.Scan(
 		&i.Pending,
@@ -1027,7 +1061,7 @@ func (q *Queries) OutboxStatus(ctx context.Context) (OutboxStatusRow, error) {
 	return i, err
 }
 
-const reapOutbox = `-- name: ReapOutbox :execrows
+const ReapOutbox = `-- name: ReapOutbox :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING' AND locked_until < now()
@@ -1035,14 +1069,14 @@ WHERE status = 'PUBLISHING' AND locked_until < now()
 
 // Returns PUBLISHING rows whose row lease expired to PENDING.
 func (q *Queries) ReapOutbox(ctx context.Context) (int64, error) {
-	result, err := q.db.Exec(ctx, reapOutbox)
+	result, err := q.db.Exec(ctx, ReapOutbox)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const recordDeadLetterFailure = `-- name: RecordDeadLetterFailure :exec
+const RecordDeadLetterFailure = `-- name: RecordDeadLetterFailure :exec
 UPDATE idem_dead_letters SET attempts = attempts + $1, last_error = $2
 WHERE id = $3 AND replayed_at IS NULL
 `
@@ -1055,11 +1089,11 @@ type RecordDeadLetterFailureParams struct {
 
 // A replay that failed again: the dead letter stays, with the new error.
 func (q *Queries) RecordDeadLetterFailure(ctx context.Context, arg RecordDeadLetterFailureParams) error {
-	_, err := q.db.Exec(ctx, recordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
+	_, err := q.db.Exec(ctx, RecordDeadLetterFailure, arg.Attempts, arg.LastError, arg.ID)
 	return err
 }
 
-const relayLeader = `-- name: RelayLeader :many
+const RelayLeader = `-- name: RelayLeader :many
 SELECT name, holder, acquired_at, expires_at, (expires_at > now())::bool AS live,
        greatest(extract(epoch FROM expires_at - now()), 0)::float8 AS remaining_seconds
 FROM idem_relay_leader
@@ -1077,7 +1111,7 @@ type RelayLeaderRow struct {
 
 // The relay's leadership lease (idem_relay_leader), for operators.
 func (q *Queries) RelayLeader(ctx context.Context) ([]RelayLeaderRow, error) {
-	rows, err := q.db.Query(ctx, relayLeader)
+	rows, err := q.db.Query(ctx, RelayLeader)
 	if err != nil {
 		return nil, err
 	}
@@ -1103,7 +1137,7 @@ func (q *Queries) RelayLeader(ctx context.Context) ([]RelayLeaderRow, error) {
 	return items, nil
 }
 
-const releaseRelayLease = `-- name: ReleaseRelayLease :execrows
+const ReleaseRelayLease = `-- name: ReleaseRelayLease :execrows
 UPDATE idem_relay_leader
 SET expires_at = now()
 WHERE name = $1 AND token = $2
@@ -1116,14 +1150,14 @@ type ReleaseRelayLeaseParams struct {
 
 // A leader stopping cleanly hands over at once instead of after the lease.
 func (q *Queries) ReleaseRelayLease(ctx context.Context, arg ReleaseRelayLeaseParams) (int64, error) {
-	result, err := q.db.Exec(ctx, releaseRelayLease, arg.Name, arg.Token)
+	result, err := q.db.Exec(ctx, ReleaseRelayLease, arg.Name, arg.Token)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const renewRelayLease = `-- name: RenewRelayLease :execrows
+const RenewRelayLease = `-- name: RenewRelayLease :execrows
 UPDATE idem_relay_leader
 SET expires_at = now() + make_interval(secs => $1::float8)
 WHERE name = $2 AND token = $3
@@ -1137,14 +1171,14 @@ type RenewRelayLeaseParams struct {
 
 // Extends the lease held by token. 0 rows: another relay took it over.
 func (q *Queries) RenewRelayLease(ctx context.Context, arg RenewRelayLeaseParams) (int64, error) {
-	result, err := q.db.Exec(ctx, renewRelayLease, arg.LeaseSeconds, arg.Name, arg.Token)
+	result, err := q.db.Exec(ctx, RenewRelayLease, arg.LeaseSeconds, arg.Name, arg.Token)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const requeueParkedOutbox = `-- name: RequeueParkedOutbox :execrows
+const RequeueParkedOutbox = `-- name: RequeueParkedOutbox :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
 WHERE status = 'PARKED'
@@ -1162,14 +1196,14 @@ type RequeueParkedOutboxParams struct {
 // out through the ordinary relay path (claim, publish, mark under the lease).
 // last_error is kept until the row is published.
 func (q *Queries) RequeueParkedOutbox(ctx context.Context, arg RequeueParkedOutboxParams) (int64, error) {
-	result, err := q.db.Exec(ctx, requeueParkedOutbox, arg.AllRows, arg.Ids, arg.Topics)
+	result, err := q.db.Exec(ctx, RequeueParkedOutbox, arg.AllRows, arg.Ids, arg.Topics)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const resetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
+const ResetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
 WHERE status = 'PUBLISHING'
@@ -1187,23 +1221,23 @@ type ResetOutboxPublishingParams struct {
 // live lease, so a leader that froze right after taking over cannot reset
 // its successor's rows.
 func (q *Queries) ResetOutboxPublishing(ctx context.Context, arg ResetOutboxPublishingParams) (int64, error) {
-	result, err := q.db.Exec(ctx, resetOutboxPublishing, arg.Name, arg.Token)
+	result, err := q.db.Exec(ctx, ResetOutboxPublishing, arg.Name, arg.Token)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const restoreLockTimeout = `-- name: RestoreLockTimeout :exec
+const RestoreLockTimeout = `-- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)
 `
 
 func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, restoreLockTimeout)
+	_, err := q.db.Exec(ctx, RestoreLockTimeout)
 	return err
 }
 
-const setConnectionCheck = `-- name: SetConnectionCheck :exec
+const SetConnectionCheck = `-- name: SetConnectionCheck :exec
 SELECT set_config('client_connection_check_interval', $1::text, true)
 `
 
@@ -1211,11 +1245,11 @@ SELECT set_config('client_connection_check_interval', $1::text, true)
 // the client is still connected, so a killed process frees its keys within
 // the interval instead of when the statement ends. Transaction-scoped.
 func (q *Queries) SetConnectionCheck(ctx context.Context, interval string) error {
-	_, err := q.db.Exec(ctx, setConnectionCheck, interval)
+	_, err := q.db.Exec(ctx, SetConnectionCheck, interval)
 	return err
 }
 
-const setLockTimeout = `-- name: SetLockTimeout :exec
+const SetLockTimeout = `-- name: SetLockTimeout :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', $1::text, true)
 `
@@ -1224,43 +1258,43 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 // previous value is kept in idem.saved_lock_timeout so RestoreLockTimeout can
 // put it back: the wait bound must not leak into the handler's own queries.
 func (q *Queries) SetLockTimeout(ctx context.Context, lockTimeout string) error {
-	_, err := q.db.Exec(ctx, setLockTimeout, lockTimeout)
+	_, err := q.db.Exec(ctx, SetLockTimeout, lockTimeout)
 	return err
 }
 
-const setMigrateLockTimeout = `-- name: SetMigrateLockTimeout :exec
+const SetMigrateLockTimeout = `-- name: SetMigrateLockTimeout :exec
 SELECT set_config('lock_timeout', $1::text, true)
 `
 
 // Bounds how long Migrate's DDL queues for a table lock behind running
 // requests (and makes new requests queue behind it) before it backs off.
 func (q *Queries) SetMigrateLockTimeout(ctx context.Context, lockTimeout string) error {
-	_, err := q.db.Exec(ctx, setMigrateLockTimeout, lockTimeout)
+	_, err := q.db.Exec(ctx, SetMigrateLockTimeout, lockTimeout)
 	return err
 }
 
-const setRelayStatementTimeout = `-- name: SetRelayStatementTimeout :exec
+const SetRelayStatementTimeout = `-- name: SetRelayStatementTimeout :exec
 SELECT set_config('statement_timeout', $1::text, true)
 `
 
 // Bounds the lease queries on the server too (transaction-local), so a lease
 // statement stuck behind a lock cannot outlive the lease it renews.
 func (q *Queries) SetRelayStatementTimeout(ctx context.Context, timeout string) error {
-	_, err := q.db.Exec(ctx, setRelayStatementTimeout, timeout)
+	_, err := q.db.Exec(ctx, SetRelayStatementTimeout, timeout)
 	return err
 }
 
-const setSchemaVersion = `-- name: SetSchemaVersion :exec
+const SetSchemaVersion = `-- name: SetSchemaVersion :exec
 INSERT INTO idem_schema_version (digest) VALUES ($1)
 ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = now()
 `
 
 func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
-	_, err := q.db.Exec(ctx, setSchemaVersion, digest)
+	_, err := q.db.Exec(ctx, SetSchemaVersion, digest)
 	return err
 }
 
-const takeOverExpiredKey = `-- name: TakeOverExpiredKey :execrows
+const TakeOverExpiredKey = `-- name: TakeOverExpiredKey :execrows
 UPDATE idem_keys
 SET fingerprint = $1,
     status_code = 0,
@@ -1288,7 +1322,7 @@ type TakeOverExpiredKeyParams struct {
 // key. Any wait here is on a row lock held by something else (a purge
 // deleting the expired row), bounded by lock_timeout.
 func (q *Queries) TakeOverExpiredKey(ctx context.Context, arg TakeOverExpiredKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, takeOverExpiredKey,
+	result, err := q.db.Exec(ctx, TakeOverExpiredKey,
 		arg.Fingerprint,
 		arg.TtlSeconds,
 		arg.Scope,
@@ -1302,7 +1336,7 @@ func (q *Queries) TakeOverExpiredKey(ctx context.Context, arg TakeOverExpiredKey
 	return result.RowsAffected(), nil
 }
 
-const tryJanitorLock = `-- name: TryJanitorLock :one
+const TryJanitorLock = `-- name: TryJanitorLock :one
 SELECT pg_try_advisory_lock((7652::bigint << 32) | 'idem_keys'::regclass::oid::bigint)
 `
 
@@ -1310,7 +1344,7 @@ SELECT pg_try_advisory_lock((7652::bigint << 32) | 'idem_keys'::regclass::oid::b
 // its batches: replicas that find it held skip their run. Keyed by the key
 // table's oid like TryRelayLock, so schemas of one database are independent.
 func (q *Queries) TryJanitorLock(ctx context.Context) (bool, error) {
-	row := q.db.QueryRow(ctx, tryJanitorLock)
+	row := q.db.QueryRow(ctx, TryJanitorLock)
 	var pg_try_advisory_lock bool
 	err := row.Scan(&pg_try_advisory_lock)
 	return pg_try_advisory_lock, err

@@ -13,7 +13,7 @@ func apply(ctx context.Context, tx pgx.Tx, r *kgo.Record) error { return nil }
 func seen(ctx context.Context, tx pgx.Tx, r *kgo.Record) (bool, error) { return false, nil }
 
 // Offset before commit: the seed's mistake.
-func offsetFirst(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) error {
+func offsetFirst(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) error { // want offsetFirst:"commitsTx"
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return err
@@ -29,7 +29,7 @@ func offsetFirst(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo
 }
 
 // In a poll loop, marking then committing the transaction.
-func loopMarkFirst(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool) error {
+func loopMarkFirst(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool) error { // want loopMarkFirst:"commitsTx"
 	for {
 		fetches := cl.PollFetches(ctx)
 		for _, r := range fetches.Records() {
@@ -50,7 +50,7 @@ func loopMarkFirst(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool) erro
 }
 
 // pgx.BeginFunc commits when it returns.
-func beginFunc(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) error {
+func beginFunc(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.Record) error { // want beginFunc:"commitsTx"
 	if err := cl.CommitUncommittedOffsets(ctx); err != nil { // want `Kafka offset commit \(CommitUncommittedOffsets\) runs before`
 		return err
 	}
@@ -60,7 +60,7 @@ func beginFunc(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool, r *kgo.R
 // True negatives.
 
 // Commit, then offset: the seed's correct order, round a poll loop.
-func commitThenOffset(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool) error {
+func commitThenOffset(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool) error { // want commitThenOffset:"commitsTx"
 	for {
 		fetches := cl.PollFetches(ctx)
 		for _, r := range fetches.Records() {
@@ -94,7 +94,7 @@ func commitThenOffset(ctx context.Context, cl *kgo.Client, pool *pgxpool.Pool) e
 }
 
 // The early-exit branch returns before the commit.
-func earlyExit(ctx context.Context, cl *kgo.Client, tx pgx.Tx, r *kgo.Record) error {
+func earlyExit(ctx context.Context, cl *kgo.Client, tx pgx.Tx, r *kgo.Record) error { // want earlyExit:"commitsTx"
 	dup, err := seen(ctx, tx, r)
 	if err != nil {
 		return err
@@ -112,7 +112,7 @@ func earlyExit(ctx context.Context, cl *kgo.Client, tx pgx.Tx, r *kgo.Record) er
 }
 
 // Silenced deliberately.
-func ignored(ctx context.Context, cl *kgo.Client, tx pgx.Tx, r *kgo.Record) error {
+func ignored(ctx context.Context, cl *kgo.Client, tx pgx.Tx, r *kgo.Record) error { // want ignored:"commitsTx"
 	cl.MarkCommitRecords(r) //idemvet:ignore offsetcommit the table is an at-most-once cache
 	return tx.Commit(ctx)
 }

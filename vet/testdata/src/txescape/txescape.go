@@ -109,3 +109,27 @@ var _ func(*Service, context.Context, pgx.Tx, ChargeRequest) (Receipt, error) = 
 func (s *Service) ChargeHandler() func(context.Context, pgx.Tx, ChargeRequest) (Receipt, error) {
 	return s.Charge
 }
+
+// Found by review (vetfix): pgx.BeginFunc on the pool is a transaction of its
+// own, and a statement on tx.Conn() runs inside the operation's transaction.
+//
+//idem:http route="POST /refunds"
+func (s *Service) Refund(ctx context.Context, tx pgx.Tx, req ChargeRequest) (Receipt, error) {
+	if err := pgx.BeginFunc(ctx, s.pool, func(t2 pgx.Tx) error { // want `//idem:http function writes through \*pgxpool.Pool \(pgx.BeginFunc\), outside the operation's transaction`
+		_, err := t2.Exec(ctx, "insert into audit")
+		return err
+	}); err != nil {
+		return Receipt{}, err
+	}
+	// A savepoint on the operation's tx is fine.
+	if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+		_, err := sp.Exec(ctx, "insert")
+		return err
+	}); err != nil {
+		return Receipt{}, err
+	}
+	if _, err := tx.Conn().Exec(ctx, "insert into charges"); err != nil {
+		return Receipt{}, err
+	}
+	return Receipt{}, nil
+}

@@ -1,8 +1,8 @@
-package db
-
-// This file is written by hand; the rest of the package is sqlc's. It packs
-// sqlc's own query constants into fewer round trips, so that no SQL text
-// lives outside templates/ and the claim costs as little as possible.
+// Package dbx is the hand-written companion of runtime/internal/db, which is
+// sqlc's output only. It packs sqlc's exported query text (sqlc.yaml sets
+// emit_exported_queries) into fewer round trips, so that no SQL text lives
+// outside templates/ and the claim costs as little as possible.
+package dbx
 
 import (
 	"context"
@@ -14,6 +14,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
 // BoundedBegin returns opts changed so that beginning the transaction also
@@ -25,10 +27,10 @@ import (
 func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck time.Duration) pgx.TxOptions {
 	q := beginSQL(opts)
 	if lockTimeout > 0 {
-		q += ";\n" + inline(setLockTimeout, max(lockTimeout.Milliseconds(), 1)) // 0 would mean "wait forever"
+		q += ";\n" + inline(db.SetLockTimeout, max(lockTimeout.Milliseconds(), 1)) // 0 would mean "wait forever"
 	}
 	if connCheck > 0 {
-		q += ";\n" + inline(setConnectionCheck, max(connCheck.Milliseconds(), 1))
+		q += ";\n" + inline(db.SetConnectionCheck, max(connCheck.Milliseconds(), 1))
 	}
 	if q != beginSQL(opts) {
 		opts.BeginQuery = q
@@ -69,17 +71,17 @@ func beginSQL(opts pgx.TxOptions) string {
 // elsewhere) without another round trip: under read committed, GetKey's fresh
 // snapshot sees a row that made the claim conflict. For a live row (a
 // replay) none of these statements writes or locks anything.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claimed, found bool, row GetKeyRow, err error) {
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
-	b.Queue(claimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
 		claimed = claimed || ct.RowsAffected() == 1
 		return nil
 	})
-	b.Queue(takeOverExpiredKey, arg.Fingerprint, arg.TtlSeconds, arg.Scope, arg.Principal, arg.Key, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(db.TakeOverExpiredKey, arg.Fingerprint, arg.TtlSeconds, arg.Scope, arg.Principal, arg.Key, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
 		claimed = claimed || ct.RowsAffected() == 1
 		return nil
 	})
-	b.Queue(getKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
+	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
 		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil
@@ -87,9 +89,9 @@ func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg ClaimKeyParams) (claime
 		found = err == nil
 		return err
 	})
-	b.Queue(restoreLockTimeout)
+	b.Queue(db.RestoreLockTimeout)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return false, false, GetKeyRow{}, err
+		return false, false, db.GetKeyRow{}, err
 	}
 	return claimed, found, row, nil
 }
@@ -104,11 +106,11 @@ var ErrCommit = errors.New("commit")
 // a COMMIT failure is returned wrapping ErrCommit. Either way the caller must
 // end tx as usual: after a successful call the connection is no longer in a
 // transaction (pgconn.PgConn.TxStatus is 'I') although tx does not know it,
-// and a rollback is then not to be sent (see the caller's rollback). A tx
-// begun with a custom CommitQuery is committed with tx.Commit instead.
-func CompleteKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg CompleteKeyParams) error {
+// and a rollback is then not to be sent (see the caller's endTx). A tx begun
+// with a custom CommitQuery is committed with tx.Commit instead.
+func CompleteKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.CompleteKeyParams) error {
 	if commitQuery != "" {
-		if _, err := New(tx).CompleteKey(ctx, arg); err != nil {
+		if _, err := db.New(tx).CompleteKey(ctx, arg); err != nil {
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {
@@ -117,8 +119,8 @@ func CompleteKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg C
 		return nil
 	}
 	b := &pgx.Batch{}
-	b.Queue(completeKey, arg.StatusCode, arg.Headers, arg.Body, arg.Scope, arg.Principal, arg.Key)
-	b.Queue("commit")
+	b.Queue(db.CompleteKey, arg.StatusCode, arg.Headers, arg.Body, arg.Scope, arg.Principal, arg.Key)
+	b.Queue("commit") // as pgx's own Commit sends it (and beginSQL renders begin)
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()

@@ -1,0 +1,245 @@
+package generator
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/scanner"
+	"go/token"
+	"go/types"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+
+	"golang.org/x/tools/go/gcexportdata"
+	"golang.org/x/tools/go/packages"
+)
+
+// errSlowPath makes loadLikeVet give way to the go/packages loader.
+var errSlowPath = errors.New("use go/packages")
+
+// loadLikeVet loads the packages matching patterns the way go vet does: go
+// list without -export for the packages themselves (so they are not
+// compiled), export data for their direct dependencies only, and one
+// type-check of each package from source. go/packages with NeedTypes would
+// compile every matched package to produce export data nothing reads.
+//
+// For anything unusual (a go list error, a dependency without export data
+// because it does not compile, a package the loader cannot place) it returns
+// errSlowPath, and the caller loads with go/packages, which handles every
+// case; both produce the same Package fields idemgen reads.
+func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []string) ([]*packages.Package, error) {
+	meta, err := packages.Load(&packages.Config{
+		Context:    ctx,
+		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
+		Dir:        cfg.Dir,
+		Env:        cfg.Env,
+		BuildFlags: bc.loadFlags,
+	}, patterns...)
+	if err != nil {
+		return nil, fmt.Errorf("load %s: %w", strings.Join(patterns, " "), err)
+	}
+	roots := map[string]*packages.Package{} // by ID
+	for _, p := range meta {
+		if len(p.Errors) > 0 || p.Module == nil {
+			return nil, errSlowPath
+		}
+		roots[p.ID] = p
+	}
+	// A dependency that itself imports one of the packages loaded from
+	// source would bring a second, export-data copy of that package's types
+	// (go/packages then loads the dependency from source too).
+	reaches := map[string]bool{}
+	var reachesRoot func(p *packages.Package) bool
+	reachesRoot = func(p *packages.Package) bool {
+		if r, ok := reaches[p.ID]; ok {
+			return r
+		}
+		reaches[p.ID] = false // cycles are reported by go list
+		for _, imp := range p.Imports {
+			if roots[imp.ID] != nil || reachesRoot(imp) {
+				reaches[p.ID] = true
+				return true
+			}
+		}
+		return false
+	}
+	// The direct dependencies that are not loaded from source.
+	var depIDs []string
+	seen := map[string]bool{}
+	for _, p := range meta {
+		for _, imp := range p.Imports {
+			if roots[imp.ID] == nil && imp.ID != "unsafe" && !seen[imp.ID] {
+				if reachesRoot(imp) {
+					return nil, errSlowPath
+				}
+				seen[imp.ID] = true
+				depIDs = append(depIDs, imp.ID)
+			}
+		}
+	}
+	exports := map[string]string{} // ID → export data file
+	fset := token.NewFileSet()
+	sizes := types.SizesFor("gc", bc.ctx.GOARCH)
+	var mu sync.Mutex // guards imported and fset's use by gcexportdata
+	imported := map[string]*types.Package{}
+	importDep := func(id string) (*types.Package, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if p := imported[id]; p != nil && p.Complete() {
+			return p, nil
+		}
+		f, err := os.Open(exports[id])
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		r, err := gcexportdata.NewReader(bufio.NewReader(f))
+		if err != nil {
+			return nil, fmt.Errorf("read export data of %s: %w", id, err)
+		}
+		return gcexportdata.Read(r, fset, imported, id)
+	}
+
+	// Parse every package's files in parallel, while go list finds the
+	// dependencies' export data; then type-check the packages in import
+	// order, each once.
+	var wg sync.WaitGroup
+	for _, p := range meta {
+		p.Fset = fset
+		p.Syntax = make([]*ast.File, len(p.CompiledGoFiles))
+		for i, name := range p.CompiledGoFiles {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				f, err := parser.ParseFile(fset, name, nil, parser.AllErrors|parser.ParseComments|parser.SkipObjectResolution)
+				mu.Lock()
+				defer mu.Unlock()
+				p.Syntax[i] = f
+				var list scanner.ErrorList
+				if errors.As(err, &list) {
+					for _, e := range list {
+						p.Errors = append(p.Errors, packages.Error{Pos: e.Pos.String(), Msg: e.Msg, Kind: packages.ParseError})
+					}
+				} else if err != nil {
+					p.Errors = append(p.Errors, packages.Error{Pos: name, Msg: err.Error(), Kind: packages.ParseError})
+				}
+			}()
+		}
+	}
+	sort.Strings(depIDs)
+	if len(depIDs) > 0 {
+		deps, err := packages.Load(&packages.Config{
+			Context:    ctx,
+			Mode:       packages.NeedName | packages.NeedExportFile,
+			Dir:        cfg.Dir,
+			Env:        cfg.Env,
+			BuildFlags: bc.loadFlags,
+		}, depIDs...)
+		if err != nil {
+			wg.Wait()
+			return nil, fmt.Errorf("load dependencies of %s: %w", strings.Join(patterns, " "), err)
+		}
+		for _, d := range deps {
+			if len(d.Errors) > 0 || d.ExportFile == "" {
+				wg.Wait()
+				return nil, errSlowPath
+			}
+			exports[d.ID] = d.ExportFile
+		}
+		for _, id := range depIDs {
+			if exports[id] == "" {
+				wg.Wait()
+				return nil, errSlowPath
+			}
+		}
+	}
+
+	wg.Wait()
+
+	done := map[string]bool{}
+	var check func(p *packages.Package, stack map[string]bool) error
+	check = func(p *packages.Package, stack map[string]bool) error {
+		if done[p.ID] {
+			return nil
+		}
+		if stack[p.ID] {
+			return errSlowPath // an import cycle: let go/packages report it
+		}
+		stack[p.ID] = true
+		for _, imp := range p.Imports {
+			if r := roots[imp.ID]; r != nil {
+				if err := check(r, stack); err != nil {
+					return err
+				}
+			}
+		}
+		delete(stack, p.ID)
+		done[p.ID] = true
+
+		var syntax []*ast.File
+		for _, f := range p.Syntax {
+			if f != nil {
+				syntax = append(syntax, f)
+			}
+		}
+		p.Types = types.NewPackage(p.PkgPath, p.Name)
+		p.TypesInfo = &types.Info{
+			Types:        map[ast.Expr]types.TypeAndValue{},
+			Defs:         map[*ast.Ident]types.Object{},
+			Uses:         map[*ast.Ident]types.Object{},
+			Implicits:    map[ast.Node]types.Object{},
+			Selections:   map[*ast.SelectorExpr]*types.Selection{},
+			Scopes:       map[ast.Node]*types.Scope{},
+			Instances:    map[*ast.Ident]types.Instance{},
+			FileVersions: map[*ast.File]string{},
+		}
+		p.TypesSizes = sizes
+		tc := &types.Config{
+			Importer: importerFunc(func(path string) (*types.Package, error) {
+				if path == "unsafe" {
+					return types.Unsafe, nil
+				}
+				imp := p.Imports[path]
+				if imp == nil {
+					return nil, fmt.Errorf("no metadata for %s", path)
+				}
+				if r := roots[imp.ID]; r != nil {
+					return r.Types, nil
+				}
+				return importDep(imp.ID)
+			}),
+			Sizes: sizes,
+			Error: func(err error) {
+				var te types.Error
+				if !errors.As(err, &te) {
+					p.Errors = append(p.Errors, packages.Error{Msg: err.Error(), Kind: packages.UnknownError})
+					return
+				}
+				p.TypeErrors = append(p.TypeErrors, te)
+				p.Errors = append(p.Errors, packages.Error{Pos: te.Fset.Position(te.Pos).String(), Msg: te.Msg, Kind: packages.TypeError})
+			},
+		}
+		if p.Module != nil && p.Module.GoVersion != "" {
+			tc.GoVersion = "go" + p.Module.GoVersion
+		}
+		_ = types.NewChecker(tc, fset, p.Types, p.TypesInfo).Files(syntax)
+		p.IllTyped = len(p.Errors) > 0
+		return nil
+	}
+	for _, p := range meta {
+		if err := check(p, map[string]bool{}); err != nil {
+			return nil, err
+		}
+	}
+	sort.Slice(meta, func(i, j int) bool { return meta[i].PkgPath < meta[j].PkgPath })
+	return meta, nil
+}
+
+type importerFunc func(path string) (*types.Package, error)
+
+func (f importerFunc) Import(path string) (*types.Package, error) { return f(path) }
