@@ -113,3 +113,17 @@ func Percentile(ds []time.Duration, q float64) time.Duration {
 
 // Ms is d in milliseconds.
 func Ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// History is how many rows of history (completed keys, processed events,
+// published outbox rows) the HTTP, consumer and relay benchmarks put in
+// their tables before measuring: none in short mode, 1M in long mode, so
+// that the long run's figures are the ones at scale.
+func History() int { return Pick(0, 1_000_000) }
+
+// HistoryLabel is appended to a section name: "" or " (1M history)".
+func HistoryLabel() string {
+	if n := History(); n > 0 {
+		return fmt.Sprintf(" (%dk history)", n/1000)
+	}
+	return ""
+}

@@ -114,6 +114,11 @@ func (hb *httpBench) call(b *testing.B, h http.Handler, key string) {
 // Run: go run ./cmd/idembench -only http (or go test ./runtime/idem -run '^$' -bench HTTPSideBySide -benchtime 1x)
 func BenchmarkHTTPSideBySide(b *testing.B) {
 	hb := newHTTPBench(b, func(c *pgxpool.Config) { c.MaxConns = 8 })
+	if n := benchkit.History(); n > 0 {
+		pgtest.Exec(b, hb.pool, fmt.Sprintf(`INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, body, expires_at)
+			SELECT 'bench', '', 'h-' || i, '\x00'::bytea, 201, '\x00'::bytea, now() + interval '1 day' FROM generate_series(1, %d) i;
+			VACUUM ANALYZE idem_keys`, n))
+	}
 	const replayKeys = 1024
 	for i := range replayKeys {
 		hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i))
@@ -183,7 +188,7 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 			return fmt.Sprintf("%s %.0f/s p50 %.2fms p99 %.2fms; %s %.0f/s p50 %.2fms p99 %.2fms",
 				a, thr[a], benchkit.Ms(p50[a]), benchkit.Ms(p99[a]), z, thr[z], benchkit.Ms(p50[z]), benchkit.Ms(p99[z]))
 		}
-		sec := fmt.Sprintf("HTTP c=%d", c)
+		sec := fmt.Sprintf("HTTP c=%d", c) + benchkit.HistoryLabel()
 		latTarget, thrTarget := "", ""
 		if c == 1 {
 			latTarget = "≤ 1.25"
