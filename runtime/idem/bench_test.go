@@ -131,7 +131,7 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	}
 	for _, c := range []int{1, 8, 64} {
 		rounds := benchkit.Pick(2, 6)
-		n := benchkit.Pick(map[int]int{1: 200, 8: 600, 64: 1200}, map[int]int{1: 1000, 8: 3000, 64: 6000})[c]
+		n := benchkit.Pick(map[int]int{1: 400, 8: 600, 64: 1200}, map[int]int{1: 1000, 8: 3000, 64: 6000})[c]
 		var kinds []kind
 		for _, k := range []string{"bare", "first", "replay", "replay-same"} {
 			kinds = append(kinds, kind{name: k, op: func(i int64) {

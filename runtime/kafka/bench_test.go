@@ -213,7 +213,7 @@ func bareConsume(b *testing.B, addrs []string, pool *pgxpool.Pool, group string,
 // Run: go run ./cmd/idembench -only relay
 func BenchmarkRelaySideBySide(b *testing.B) {
 	events := benchkit.Pick(2000, 10000)
-	rounds := benchkit.Pick(1, 3)
+	rounds := benchkit.Pick(2, 3)
 	evs := make([]keyed, events)
 	for i := range evs {
 		evs[i] = keyed{Key: fmt.Sprintf("k%d", i%50), Seq: i}
