@@ -116,8 +116,8 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	hb := newHTTPBench(b, func(c *pgxpool.Config) { c.MaxConns = 8 })
 	if n := benchkit.History(); n > 0 {
 		pgtest.Exec(b, hb.pool, fmt.Sprintf(`INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, body, expires_at)
-			SELECT 'bench', '', 'h-' || i, '\x00'::bytea, 201, '\x00'::bytea, now() + interval '1 day' FROM generate_series(1, %d) i;
-			VACUUM ANALYZE idem_keys`, n))
+			SELECT 'bench', '', 'h-' || i, '\x00'::bytea, 201, '\x00'::bytea, now() + interval '1 day' FROM generate_series(1, %d) i`, n))
+		pgtest.Exec(b, hb.pool, `VACUUM ANALYZE idem_keys`)
 	}
 	const replayKeys = 1024
 	for i := range replayKeys {

@@ -53,8 +53,8 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 	pgtest.Exec(b, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
 	if n := benchkit.History(); n > 0 {
 		pgtest.Exec(b, pool, fmt.Sprintf(`INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
-			SELECT 'history', 'h-' || i, 'bench', 0, i FROM generate_series(1, %d) i;
-			VACUUM ANALYZE idem_processed_events`, n))
+			SELECT 'history', 'h-' || i, 'bench', 0, i FROM generate_series(1, %d) i`, n))
+		pgtest.Exec(b, pool, `VACUUM ANALYZE idem_processed_events`)
 	}
 	p := producer(b, addrs)
 	var perRecord, batch, bare time.Duration
@@ -228,8 +228,8 @@ func BenchmarkRelaySideBySide(b *testing.B) {
 		pool := db(b)
 		if n := benchkit.History(); n > 0 {
 			pgtest.Exec(b, pool, fmt.Sprintf(`INSERT INTO idem_outbox (topic, payload, status, published_at)
-				SELECT 'events', '\x00'::bytea, 'PUBLISHED', now() FROM generate_series(1, %d);
-				VACUUM ANALYZE idem_outbox`, n))
+				SELECT 'events', '\x00'::bytea, 'PUBLISHED', now() FROM generate_series(1, %d)`, n))
+			pgtest.Exec(b, pool, `VACUUM ANALYZE idem_outbox`)
 		}
 		pub := publisher(b, addrs)
 		// The produce round trip this link really gives (timer overshoot
