@@ -25,12 +25,15 @@ SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), tr
 -- lock is tried only when the row is absent (the planner may reorder AND).
 -- It returns 1 row when the key is new, 0 when the lock is held elsewhere
 -- (the key is in flight) or a row exists (TakeOverExpiredKey and GetKey tell
--- which).
+-- which). Advisory locks are per database, not per schema: the lock id is
+-- XORed with this idem_keys table's OID, so the same key in flight in another
+-- schema's table (another tenant's or test's schema) is not taken for this
+-- one's.
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT @scope, @principal, @key, @fingerprint, now() + make_interval(secs => @ttl_seconds::float8)
 WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = @scope AND k.principal = @principal AND k.key = @key)
            THEN false
-           ELSE pg_try_advisory_xact_lock(@lock_id::bigint) END
+           ELSE pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) END
 ON CONFLICT (scope, principal, key) DO NOTHING;
 
 -- name: TakeOverExpiredKey :execrows
@@ -48,7 +51,7 @@ SET fingerprint = @fingerprint,
     created_at  = now(),
     expires_at  = now() + make_interval(secs => @ttl_seconds::float8)
 WHERE scope = @scope AND principal = @principal AND key = @key
-  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock(@lock_id::bigint) ELSE false END;
+  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END;
 
 -- name: GetKey :one
 -- live is false for an expired row: one being taken over is still in flight.

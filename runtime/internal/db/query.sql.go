@@ -106,7 +106,7 @@ INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
 WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3)
            THEN false
-           ELSE pg_try_advisory_xact_lock($6::bigint) END
+           ELSE pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) END
 ON CONFLICT (scope, principal, key) DO NOTHING
 `
 
@@ -129,7 +129,10 @@ type ClaimKeyParams struct {
 // lock is tried only when the row is absent (the planner may reorder AND).
 // It returns 1 row when the key is new, 0 when the lock is held elsewhere
 // (the key is in flight) or a row exists (TakeOverExpiredKey and GetKey tell
-// which).
+// which). Advisory locks are per database, not per schema: the lock id is
+// XORed with this idem_keys table's OID, so the same key in flight in another
+// schema's table (another tenant's or test's schema) is not taken for this
+// one's.
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, ClaimKey,
 		arg.Scope,
@@ -1303,7 +1306,7 @@ SET fingerprint = $1,
     created_at  = now(),
     expires_at  = now() + make_interval(secs => $2::float8)
 WHERE scope = $3 AND principal = $4 AND key = $5
-  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock($6::bigint) ELSE false END
+  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END
 `
 
 type TakeOverExpiredKeyParams struct {
