@@ -556,8 +556,13 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	if err != nil {
 		return nil, err
 	}
-	defer conn.Release()
-	defer rollback(ctx, tx) // after Commit this is a no-op
+	async := false
+	defer func() {
+		if !async {
+			endTx(ctx, tx) // after a commit this sends nothing
+			conn.Release()
+		}
+	}()
 
 	cctx, cancel := answerBound(ctx, deadline)
 	claimed, found, row, err := dbx.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
@@ -580,6 +585,15 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	}
 	if !claimed {
 		if found && row.Live {
+			// The claim read the row and wrote nothing (ClaimKey locks no
+			// live row): the client gets its replay now, and the empty
+			// transaction ends in the background, a round trip it need
+			// not wait for. The connection returns to the pool after.
+			async = true
+			go func() {
+				endTx(ctx, tx)
+				conn.Release()
+			}()
 			return replay(ctx, row, in)
 		}
 		return nil, errElsewhere
@@ -631,6 +645,17 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 	}
 }
 
+// endTx rolls tx back unless its connection is already out of a
+// transaction (CompleteKeyCommit committed it in the same round trip as the
+// response, which tx does not know): a ROLLBACK then would be a round trip
+// for nothing.
+func endTx(ctx context.Context, tx pgx.Tx) {
+	if tx.Conn().PgConn().TxStatus() == 'I' {
+		return
+	}
+	rollback(ctx, tx)
+}
+
 // answerBound returns ctx bounded for a round trip of the runtime's own
 // before the function runs: it must come back within the wait plus
 // answerSlack.
@@ -676,32 +701,42 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 	header.Set("Content-Type", "application/json")
 	out := &response{status: ep.Status, header: header, body: body}
 
-	if in.key != nil {
+	if err := ctx.Err(); err != nil {
+		// A function that ignored cancellation must not commit: the caller
+		// (a client that hung up, or shutdown) has been told nothing
+		// happened.
+		return nil, err
+	}
+	if in.key == nil {
+		crash.Point(ctx, "http.before-commit")
+		if err := tx.Commit(ctx); err != nil {
+			return nil, storageErr(ctx, "commit", err)
+		}
+	} else {
 		stored := in.key.storageKey()
 		headers, err := json.Marshal(h.replayHeaders(header))
 		if err != nil {
 			return nil, fmt.Errorf("%w: headers: %w", errEncodeFailure, err)
 		}
-		if _, err := db.New(tx).CompleteKey(ctx, db.CompleteKeyParams{
+		crash.Point(ctx, "http.before-commit")
+		// The response is stored and the transaction committed in one
+		// round trip; a failed store skips the COMMIT (the transaction
+		// rolls back).
+		err = dbx.CompleteKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.CompleteKeyParams{
 			StatusCode: int32(out.status), Headers: headers, Body: body,
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
-		}); err != nil {
-			if c := pgCode(err); strings.HasPrefix(c, "22") || c == "54000" {
-				// PostgreSQL refused a header the function set: its bug (500),
-				// not a storage failure to retry forever.
-				return nil, fmt.Errorf("store response headers: %w", err)
-			}
+		})
+		switch c := pgCode(err); {
+		case err == nil:
+		case errors.Is(err, dbx.ErrCommit):
+			return nil, storageErr(ctx, "commit", err)
+		case strings.HasPrefix(c, "22") || c == "54000":
+			// PostgreSQL refused a header the function set: its bug (500),
+			// not a storage failure to retry forever.
+			return nil, fmt.Errorf("store response headers: %w", err)
+		default:
 			return nil, storageErr(ctx, "store response", err)
 		}
-	}
-	// A function that ignored cancellation must not commit: the caller (a
-	// client that hung up, or shutdown) has been told nothing happened.
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	crash.Point(ctx, "http.before-commit")
-	if err := tx.Commit(ctx); err != nil {
-		return nil, storageErr(ctx, "commit", err)
 	}
 	crash.Point(ctx, "http.after-commit")
 	return out, nil

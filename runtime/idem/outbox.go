@@ -106,15 +106,20 @@ func (s *Store) DeleteProcessedEvents(ctx context.Context, age time.Duration, ba
 	return n, nil
 }
 
-// OutboxCounts returns the number of outbox rows per status.
+// OutboxCounts returns the number of outbox rows per status (statuses
+// with no row are left out). Each count is read from that status's partial
+// index (OutboxStatus), never by scanning the whole table: PENDING, PUBLISHING
+// and PARKED stay small; PUBLISHED grows with the history until retention.
 func (s *Store) OutboxCounts(ctx context.Context) (map[string]int64, error) {
-	rows, err := db.New(s.pool).OutboxCounts(ctx)
+	st, err := db.New(s.pool).OutboxStatus(ctx)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("outbox counts: %w", err)
 	}
 	out := map[string]int64{}
-	for _, r := range rows {
-		out[r.Status] = r.N
+	for status, n := range map[string]int64{"PENDING": st.Pending, "PUBLISHING": st.Publishing, "PUBLISHED": st.Published, "PARKED": st.Parked} {
+		if n > 0 {
+			out[status] = n
+		}
 	}
 	return out, nil
 }
