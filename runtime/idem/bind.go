@@ -72,9 +72,12 @@ func newBinder(t reflect.Type, route string) (*binder, error) {
 		f := st.Field(i)
 		source, name, ok, err := BindingTag(f.Tag)
 		if err != nil {
-			return nil, fmt.Errorf("field %s: %w", f.Name, err)
+			return nil, fmt.Errorf("field %s %w", f.Name, err)
 		}
 		if !ok {
+			if f.Anonymous && embedsBinding(f.Type, 0) {
+				return nil, fmt.Errorf("embedded field %s has fields with binding tags, which are read only on the request type's own fields: move them up", f.Name)
+			}
 			continue
 		}
 		if t.Kind() == reflect.Pointer {
@@ -116,7 +119,8 @@ const SupportedBindingTypes = "string, bool, integer types, types whose pointer 
 
 // BindingTag returns the binding source and name of a struct tag: ok is
 // false for a field without path, query or header tag. A field may have one
-// binding tag, with a non-empty name. The generator uses it too, so both
+// binding tag, with a non-empty name; an error is a phrase that follows the
+// field's name ("field X has ..."). The generator uses it too, so both
 // read tags alike.
 func BindingTag(tag reflect.StructTag) (source, name string, ok bool, err error) {
 	for _, s := range bindSources {
@@ -128,7 +132,7 @@ func BindingTag(tag reflect.StructTag) (source, name string, ok bool, err error)
 			return "", "", false, fmt.Errorf("has both %s and %s tags; bind a field from one source", source, s)
 		}
 		if v == "" || strings.ContainsAny(v, ",") {
-			return "", "", false, fmt.Errorf("%s tag %q: give exactly one name, like %s:\"id\"", s, v, s)
+			return "", "", false, fmt.Errorf("has %s tag %q; want exactly one name, like %s:\"id\"", s, v, s)
 		}
 		source, name, ok = s, v, true
 	}
@@ -160,6 +164,24 @@ func RouteWildcards(route string) []string {
 		}
 		path = path[open+end+1:]
 	}
+}
+
+// embedsBinding reports whether struct t (or *t), or a struct it embeds, has
+// a field with a binding tag.
+func embedsBinding(t reflect.Type, depth int) bool {
+	if t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t.Kind() != reflect.Struct || depth > 8 {
+		return false
+	}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if _, _, ok, err := BindingTag(f.Tag); ok || err != nil || f.Anonymous && embedsBinding(f.Type, depth+1) {
+			return true
+		}
+	}
+	return false
 }
 
 // implementsText reports whether a *t is an encoding.TextUnmarshaler.

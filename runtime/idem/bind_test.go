@@ -268,7 +268,15 @@ func TestBindInvalidTagsPanic(t *testing.T) {
 		A string `header:"x-a"`
 		B string `header:"X-A"`
 	}
+	type inner struct {
+		ID string `path:"id"`
+	}
+	type embedded struct {
+		inner
+		Amount int
+	}
 	cases := map[string]func(){
+		"embedded tags":    func() { handleFor[embedded]() },
 		"not a wildcard":   func() { handleFor[notWildcard]() },
 		"unsupported type": func() { handleFor[unsupported]() },
 		"unexported":       func() { handleFor[unexported]() },
