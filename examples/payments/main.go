@@ -44,6 +44,10 @@ const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal starts a graceful shutdown (NOT_READY_DELAY, then
+	// DRAIN_TIMEOUT); a second one ends the process at once (the default
+	// action): what is in flight rolls back, as after a crash.
+	go func() { <-ctx.Done(); stop() }()
 	cmd := "demo"
 	if len(os.Args) > 1 {
 		cmd = os.Args[1]
@@ -79,6 +83,11 @@ func open(ctx context.Context) (*pgxpool.Pool, error) {
 	timeout, err := envDuration("STARTUP_TIMEOUT", 15*time.Second)
 	if err != nil {
 		return nil, err
+	}
+	if timeout == 0 {
+		// 0 would fail every start-up at once with a misleading "database
+		// unreachable"; it does not mean "no bound".
+		return nil, errors.New(`STARTUP_TIMEOUT="0": want a positive duration such as 15s`)
 	}
 	cfg, err := pgxpool.ParseConfig(databaseURL())
 	if err != nil {
