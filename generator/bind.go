@@ -216,7 +216,7 @@ func textUnmarshaler(t types.Type) bool {
 func (f *httpFunc) bindingDoc() []string {
 	var lines []string
 	if len(f.bindings) > 0 {
-		lines = append(lines, "idem.Handle binds these request fields (the rest is the JSON body):")
+		lines = append(lines, "idem.Handle binds these request fields (any other field is read from the JSON body):")
 	}
 	for _, b := range f.bindings {
 		from := b.source + " " + b.name
