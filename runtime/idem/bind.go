@@ -3,7 +3,6 @@ package idem
 import (
 	"crypto/sha256"
 	"encoding"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"reflect"
@@ -252,14 +251,21 @@ func converterFor(t reflect.Type) converter {
 
 // bind sets req's bound fields from r, overwriting whatever the JSON body
 // put there, and returns the canonical encoding of the bound values for the
-// fingerprint: a JSON array of [source, name, values...] per field, values
-// as converted (so "007" and "7" for an integer are the same request). A
+// fingerprint: per field its source, name and values as converted (so "007"
+// and "7" for an integer are the same request), each length-prefixed so
+// that no two different requests encode alike (JSON would not do: it
+// replaces invalid UTF-8, which a query or path may hold, with U+FFFD). A
 // value that does not convert is a 400 naming the parameter.
 func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 	if len(b.fields) == 0 {
 		return nil, nil
 	}
-	canon := make([][]string, 0, len(b.fields))
+	var canon []byte
+	put := func(s string) {
+		canon = strconv.AppendInt(canon, int64(len(s)), 10)
+		canon = append(canon, ':')
+		canon = append(canon, s...)
+	}
 	var query map[string][]string
 	for _, f := range b.fields {
 		var raw []string
@@ -281,7 +287,7 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 		}
 		field := req.Field(f.index)
 		field.SetZero()
-		entry := []string{f.source, f.name}
+		var values []string
 		if f.slice {
 			if len(raw) > 0 {
 				field.Set(reflect.MakeSlice(field.Type(), len(raw), len(raw)))
@@ -291,7 +297,7 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 				if err != nil {
 					return nil, bindError(what, f.name, err)
 				}
-				entry = append(entry, c)
+				values = append(values, c)
 			}
 		} else if len(raw) == 1 && raw[0] != "" {
 			// Absent or empty is the zero value, and the same request.
@@ -299,15 +305,17 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 			if err != nil {
 				return nil, bindError(what, f.name, err)
 			}
-			entry = append(entry, c)
+			values = append(values, c)
 		}
-		canon = append(canon, entry)
+		put(f.source)
+		put(f.name)
+		canon = strconv.AppendInt(canon, int64(len(values)), 10)
+		canon = append(canon, '\n')
+		for _, v := range values {
+			put(v)
+		}
 	}
-	out, err := json.Marshal(canon)
-	if err != nil { // strings only: cannot happen
-		return nil, &Error{Status: http.StatusInternalServerError, Err: err}
-	}
-	return out, nil
+	return canon, nil
 }
 
 func bindError(what, name string, err error) *Error {

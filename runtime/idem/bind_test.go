@@ -318,3 +318,60 @@ func TestRouteWildcards(t *testing.T) {
 		}
 	}
 }
+
+type noteReq struct {
+	ID   string `path:"id"`
+	Note string `query:"note"`
+}
+
+// Bound bytes PostgreSQL refuses (a NUL, invalid UTF-8) are the client's: 422,
+// nothing stored, the key free for a corrected request. And two values that
+// differ only in invalid UTF-8 are two requests (the canonical encoding is
+// not JSON, which would turn both into U+FFFD).
+func TestBindUnstorableAndInvalidUTF8(t *testing.T) {
+	e := newEnv(t)
+	var calls atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx, req noteReq) (noteReq, error) {
+		calls.Add(1)
+		_, err := tx.Exec(ctx, `INSERT INTO effects (order_id, amount) VALUES ($1, 1)`, req.ID)
+		return req, err
+	}
+	mux := http.NewServeMux()
+	idem.HandleRoute(mux, "POST /notes/{id}", idem.Handle(e.engine(), idem.Endpoint{Scope: "test.notes", Route: "POST /notes/{id}"}, fn))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	post := func(target, key string) result {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+target, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return result{status: resp.StatusCode, header: resp.Header, body: body}
+	}
+	wantProblem(t, post("/notes/a%00b", "nul"), http.StatusUnprocessableEntity)
+	wantProblem(t, post("/notes/a%ffb", "utf8"), http.StatusUnprocessableEntity)
+	if n := e.keys(); n != 0 || e.effects() != 0 {
+		t.Fatalf("%d keys, %d effects after refused values", n, e.effects())
+	}
+	// The key is free: the corrected request runs.
+	if r := post("/notes/ab", "nul"); r.status != http.StatusOK {
+		t.Fatalf("corrected request: %d %s", r.status, r.body)
+	}
+
+	if r := post("/notes/x?note=%ff", "note"); r.status != http.StatusOK {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	wantProblem(t, post("/notes/x?note=%fe", "note"), http.StatusUnprocessableEntity)
+	if r := post("/notes/x?note=%ff", "note"); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("same bytes again: %d %s, want a replay", r.status, r.body)
+	}
+	if n := calls.Load(); n != 4 {
+		t.Fatalf("function called %d times, want 4", n)
+	}
+}
