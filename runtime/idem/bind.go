@@ -45,7 +45,6 @@ type boundField struct {
 type converter func(s string, v reflect.Value) (canonical string, err error)
 
 var textUnmarshalerType = reflect.TypeFor[encoding.TextUnmarshaler]()
-var textMarshalerType = reflect.TypeFor[encoding.TextMarshaler]()
 
 // newBinder reads the binding tags of t (the request type). route is the
 // endpoint's pattern ("" if unknown): every path field must name one of its

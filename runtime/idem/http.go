@@ -237,7 +237,8 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 
 // Handle returns the http.Handler for one //idem:http function. For every
 // request with a new key it runs, in one transaction: claim the key, call fn
-// with the decoded JSON request, store the response, commit. A repeated key
+// with the decoded JSON request (and its fields tagged path, query or header
+// bound: see bind.go), store the response, commit. A repeated key
 // with the same request replays the stored response without calling fn.
 //
 // Generated code calls it; call it by hand to wrap a function without the
