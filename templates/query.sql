@@ -214,8 +214,12 @@ WHERE status = 'PUBLISHING'
 
 -- name: SetRelayStatementTimeout :exec
 -- Bounds the lease queries on the server too (transaction-local), so a lease
--- statement stuck behind a lock cannot outlive the lease it renews.
-SELECT set_config('statement_timeout', @timeout::text, true);
+-- statement stuck behind a lock cannot outlive the lease it renews, and a
+-- relay frozen inside a lease transaction (SIGSTOP, a paused VM) loses its
+-- session instead of holding the lease row's lock, and every standby's
+-- takeover, until it wakes.
+SELECT set_config('statement_timeout', @timeout::text, true),
+       set_config('idle_in_transaction_session_timeout', @timeout::text, true);
 
 -- name: AcquireRelayLease :one
 -- Takes the lease for token when nobody holds it, the holder's lease has

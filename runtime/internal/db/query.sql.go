@@ -1279,11 +1279,15 @@ func (q *Queries) SetMigrateLockTimeout(ctx context.Context, lockTimeout string)
 }
 
 const SetRelayStatementTimeout = `-- name: SetRelayStatementTimeout :exec
-SELECT set_config('statement_timeout', $1::text, true)
+SELECT set_config('statement_timeout', $1::text, true),
+       set_config('idle_in_transaction_session_timeout', $1::text, true)
 `
 
 // Bounds the lease queries on the server too (transaction-local), so a lease
-// statement stuck behind a lock cannot outlive the lease it renews.
+// statement stuck behind a lock cannot outlive the lease it renews, and a
+// relay frozen inside a lease transaction (SIGSTOP, a paused VM) loses its
+// session instead of holding the lease row's lock, and every standby's
+// takeover, until it wakes.
 func (q *Queries) SetRelayStatementTimeout(ctx context.Context, timeout string) error {
 	_, err := q.db.Exec(ctx, SetRelayStatementTimeout, timeout)
 	return err
