@@ -234,6 +234,16 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 		}
 		cfg.ClientOpts = append(cfg.ClientOpts, kgo.SessionTimeout(timeout), kgo.HeartbeatInterval(timeout/5))
 	}
+	// Tests shorten the fetch wait too: kfake answers an empty fetch only
+	// when the wait ends, so a record produced just after a member joins
+	// would otherwise sit there for franz-go's default 5s.
+	if d := os.Getenv("KAFKA_FETCH_MAX_WAIT"); d != "" {
+		wait, err := time.ParseDuration(d)
+		if err != nil {
+			return cfg, fmt.Errorf("KAFKA_FETCH_MAX_WAIT: %w", err)
+		}
+		cfg.ClientOpts = append(cfg.ClientOpts, kgo.FetchMaxWait(wait))
+	}
 	return cfg, nil
 }
 
