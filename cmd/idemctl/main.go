@@ -60,15 +60,24 @@ Idempotency keys (scoped: name the scope, the principal and the key):
                                            anew; refused while a request holds it
 
 Environment:
-  DATABASE_URL   PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres);
-                 its search_path selects the schema with idemgen's tables
-  KAFKA_BROKERS  comma-separated seed brokers, for deadletters replay
+  DATABASE_URL     PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres);
+                   its search_path selects the schema with idemgen's tables
+  KAFKA_BROKERS    comma-separated seed brokers, for deadletters replay
+  IDEMCTL_TIMEOUT  how long a command may wait for the database (default 1m; replay
+                   adds its --timeout): a database that never answers is an error
+                   (exit 2), not a hang
 
 Without --yes a mutating command only prints what it would do (a dry run).
 Exit status: 0 done or dry run, 1 refused or not found, 2 usage or error.
 `
 
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// defaultTimeout bounds a command's database work unless IDEMCTL_TIMEOUT says
+// otherwise. Without a bound, a database behind a partition (connections
+// accepted, or packets dropped, and never answered) hangs idemctl until the
+// operator gives up on it; pgx has no connect or query timeout of its own.
+const defaultTimeout = time.Minute
 
 // exit codes
 const (
@@ -106,7 +115,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "idemctl: %s needs a subcommand\n\n%s", args[0], usage)
 		return exitError
 	}
-	c := &cli{out: stdout, ctx: ctx}
+	timeout := defaultTimeout
+	if v := os.Getenv("IDEMCTL_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			fmt.Fprintf(stderr, "idemctl: IDEMCTL_TIMEOUT=%q: want a positive duration such as 30s\n", v)
+			return exitError
+		}
+		timeout = d
+	}
+	c := &cli{out: stdout, ctx: ctx, timeout: timeout}
 	cmds := map[string]func([]string) error{
 		"outbox status":       c.outboxStatus,
 		"outbox parked":       c.outboxParked,
@@ -137,6 +155,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case errors.As(err, &u):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
 		return exitError
+	case c.timedOut():
+		fmt.Fprintf(stderr, "idemctl %s: gave up after %v (IDEMCTL_TIMEOUT): the database at %s did not answer in time: %v\n", name, c.deadline, c.dbHost(), err)
+		return exitError
 	case errors.As(err, &refused), errors.Is(err, admin.ErrNotFound), errors.Is(err, admin.ErrInFlight):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
 		return exitRefused
@@ -150,14 +171,30 @@ type cli struct {
 	ctx  context.Context
 	out  io.Writer
 	pool *pgxpool.Pool
+	// timeout bounds the command's database work (IDEMCTL_TIMEOUT); extra
+	// is added to it by commands that also wait on something else (replay's
+	// broker ack). deadline is the bound in force once admin() ran.
+	timeout, extra, deadline time.Duration
+	cancel                   context.CancelFunc
+	host                     string
 }
 
+// admin connects to DATABASE_URL and puts the command's context under its
+// deadline: everything from here on (connecting included) must finish
+// within IDEMCTL_TIMEOUT (+ extra).
 func (c *cli) admin() (*admin.Admin, error) {
 	url := os.Getenv("DATABASE_URL")
 	if url == "" {
 		url = defaultDatabaseURL
 	}
-	pool, err := pgxpool.New(c.ctx, url)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	c.host = fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port)
+	c.deadline = c.timeout + c.extra
+	c.ctx, c.cancel = context.WithTimeout(c.ctx, c.deadline)
+	pool, err := pgxpool.NewWithConfig(c.ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to DATABASE_URL: %w", err)
 	}
@@ -165,9 +202,20 @@ func (c *cli) admin() (*admin.Admin, error) {
 	return admin.New(pool), nil
 }
 
+// timedOut reports whether the command's own deadline (not an inner one,
+// such as replay's --timeout for the broker) ended it.
+func (c *cli) timedOut() bool {
+	return c.cancel != nil && errors.Is(c.ctx.Err(), context.DeadlineExceeded)
+}
+
+func (c *cli) dbHost() string { return c.host }
+
 func (c *cli) close() {
 	if c.pool != nil {
 		c.pool.Close()
+	}
+	if c.cancel != nil {
+		c.cancel()
 	}
 }
 
@@ -322,6 +370,8 @@ func (c *cli) outboxPurge(args []string) error {
 		}
 		n, err := a.PurgeOutbox(c.ctx, s, before, 1000)
 		if err != nil {
+			// Committed batches stay: say how many, so a rerun is understood.
+			c.printf("deleted %d %s row(s) older than %s before stopping on an error\n", n, s, *olderThan)
 			return err
 		}
 		c.printf("deleted %d %s row(s) older than %s\n", n, s, *olderThan)
@@ -451,6 +501,10 @@ func (c *cli) deadLettersReplay(args []string) error {
 	if err := needID(*id); err != nil {
 		return err
 	}
+	if *timeout <= 0 {
+		return usageError("--timeout must be a positive duration")
+	}
+	c.extra = *timeout // the broker's ack is waited for inside the command's deadline
 	a, err := c.admin()
 	if err != nil {
 		return err
