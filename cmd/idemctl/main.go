@@ -530,7 +530,15 @@ func (c *cli) deadLettersReplay(args []string) error {
 	if brokers == "" {
 		return usageError("replay produces to Kafka: set KAFKA_BROKERS")
 	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(brokers, ",")...), kgo.ProducerLinger(0))
+	// AllowIdempotentProduceCancellation: kgo's idempotent producer would
+	// otherwise not fail a record whose produce request it sent when its
+	// context ends (it cannot know whether the broker wrote it), and a
+	// broker gone silent after the request would hang the replay forever
+	// with the dead letter's row locked. Giving up is safe here: the mark
+	// rolls back, and if the broker did write the record, a second replay
+	// produces a copy that consumers drop by its event id.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(brokers, ",")...), kgo.ProducerLinger(0),
+		kgo.AllowIdempotentProduceCancellation())
 	if err != nil {
 		return fmt.Errorf("kafka client: %w", err)
 	}
@@ -546,6 +554,9 @@ func (c *cli) deadLettersReplay(args []string) error {
 		return cl.ProduceSync(pctx, rec).FirstErr()
 	}
 	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
+	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() {
+		return fmt.Errorf("no ack from KAFKA_BROKERS within --timeout %v; dead letter %d stays unreplayed: %w", *timeout, *id, err)
+	}
 	if err != nil {
 		return err
 	}

@@ -327,7 +327,7 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 		return false, fmt.Errorf("replay: %w", err)
 	}
 	if err := produce(ctx, d); err != nil {
-		return false, fmt.Errorf("replay dead letter %d: produce to %s partition-key %q: %w", id, d.Topic, d.Key, err)
+		return false, fmt.Errorf("replay dead letter %d: produce to %q partition-key %q: %w", id, d.Topic, d.Key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return false, fmt.Errorf("replay dead letter %d: produced, but marking it replayed failed (a second replay is deduplicated by event id): %w", id, err)
