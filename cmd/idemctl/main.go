@@ -37,16 +37,18 @@ const usage = `usage: idemctl <command> [flags]
 
 Outbox:
   outbox status                            counts per state, oldest pending age, active relay
-  outbox parked   [--topic T] [--id N] [--limit N]
-                                           list parked events with their last error
+  outbox parked   [--topic T] [--id N] [--limit N] [--after ID]
+                                           list parked events with their last error,
+                                           oldest first, a page of --limit (default 100)
   outbox requeue  (--all | --id N | --topic T) [--yes]
                                            parked -> pending, with a fresh attempt budget
   outbox purge    (--published | --parked) --older-than DURATION [--yes]
                                            delete old published and/or parked rows
 
 Dead letters:
-  deadletters list    [--context C] [--topic T] [--all] [--limit N]
-                                           not yet replayed ones (--all: replayed too)
+  deadletters list    [--context C] [--topic T] [--all] [--limit N] [--after ID]
+                                           not yet replayed ones (--all: replayed too),
+                                           a page of --limit (default 100)
   deadletters show    --id N               key, value and headers, escaped
   deadletters replay  --id N [--yes] [--timeout 30s]
                                            re-produce to its topic (needs KAFKA_BROKERS),
@@ -78,6 +80,9 @@ const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=
 // accepted, or packets dropped, and never answered) hangs idemctl until the
 // operator gives up on it; pgx has no connect or query timeout of its own.
 const defaultTimeout = time.Minute
+
+// dryRunShown is how many rows a dry run lists; it counts them all.
+const dryRunShown = 20
 
 // exit codes
 const (
@@ -272,23 +277,66 @@ func (c *cli) outboxParked(args []string) error {
 	topic := fs.String("topic", "", "only this topic")
 	id := fs.Int64("id", 0, "only this outbox row")
 	limit := fs.Int("limit", 100, "list at most this many")
+	after := fs.Int64("after", 0, "list rows with an id above this (the next page)")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if err := pageFlags(*limit, *after); err != nil {
+		return err
+	}
+	if *id < 0 {
+		return usageError("--id must be positive")
 	}
 	a, err := c.admin()
 	if err != nil {
 		return err
 	}
-	rows, err := a.ParkedEvents(c.ctx, admin.OutboxFilter{ID: *id, Topic: *topic}, *limit)
+	f := admin.OutboxFilter{ID: *id, Topic: *topic}
+	total, err := a.CountParkedEvents(c.ctx, f)
 	if err != nil {
 		return err
 	}
+	f.After = *after
+	rows, err := a.ParkedEvents(c.ctx, f, *limit)
+	if err != nil {
+		return err
+	}
+	c.printf("%d parked\n", total)
 	c.printParked(rows)
+	c.printPage(len(rows), total, *after, *limit, func(i int) int64 { return rows[i].ID })
 	return nil
 }
 
+// pageFlags checks --limit and --after.
+func pageFlags(limit int, after int64) error {
+	if limit < 0 {
+		return usageError("--limit must not be negative")
+	}
+	if after < 0 {
+		return usageError("--after must not be negative")
+	}
+	return nil
+}
+
+// printPage tells, when a listing shows fewer rows than match, which ones it
+// showed and how to get the next page: with 10,000 parked rows an operator
+// sees the total and a page, never a flood nor a silently cut list.
+func (c *cli) printPage(shown int, total, after int64, limit int, id func(int) int64) {
+	if after == 0 && int64(shown) >= total {
+		return
+	}
+	if shown == 0 {
+		c.printf("(none with an id above %d)\n", after)
+		return
+	}
+	c.printf("showed %d (ids %d..%d)", shown, id(0), id(shown-1))
+	if shown == limit {
+		c.printf("; next page: --after %d", id(shown-1))
+	}
+	c.printf("\n")
+}
+
 func (c *cli) printParked(rows []admin.ParkedEvent) {
-	c.printf("%d parked\n", len(rows))
 	for _, r := range rows {
 		c.printf("id=%d topic=%s event_id=%s key=%s attempts=%d enqueued=%s\n  last_error: %s\n", r.ID, escape([]byte(r.Topic)),
 			escape([]byte(r.EventID)), escape(r.Key), r.Attempts, r.CreatedAt.UTC().Format(time.RFC3339), escape([]byte(r.LastError)))
@@ -316,12 +364,20 @@ func (c *cli) outboxRequeue(args []string) error {
 	}
 	f := admin.OutboxFilter{ID: *id, Topic: *topic}
 	if !*yes {
-		rows, err := a.ParkedEvents(c.ctx, f, 1000)
+		// The count is the whole selection; the listing only its start.
+		total, err := a.CountParkedEvents(c.ctx, f)
 		if err != nil {
 			return err
 		}
-		c.printf("dry run: would requeue %d parked row(s) (PARKED -> PENDING, attempts reset); run again with --yes\n", len(rows))
+		rows, err := a.ParkedEvents(c.ctx, f, dryRunShown)
+		if err != nil {
+			return err
+		}
+		c.printf("dry run: would requeue %d parked row(s) (PARKED -> PENDING, attempts reset); run again with --yes\n", total)
 		c.printParked(rows)
+		if total > int64(len(rows)) {
+			c.printf("… and %d more (outbox parked lists them all)\n", total-int64(len(rows)))
+		}
 		return nil
 	}
 	n, err := a.RequeueParked(c.ctx, f)
@@ -385,18 +441,29 @@ func (c *cli) deadLettersList(args []string) error {
 	topic := fs.String("topic", "", "only this topic")
 	all := fs.Bool("all", false, "include replayed dead letters (kept until retention)")
 	limit := fs.Int("limit", 100, "list at most this many")
+	after := fs.Int64("after", 0, "list dead letters with an id above this (the next page)")
 	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := pageFlags(*limit, *after); err != nil {
 		return err
 	}
 	a, err := c.admin()
 	if err != nil {
 		return err
 	}
-	rows, err := a.DeadLetters(c.ctx, admin.DeadLetterFilter{Context: *context, Topic: *topic, IncludeReplayed: *all}, *limit)
+	f := admin.DeadLetterFilter{Context: *context, Topic: *topic, IncludeReplayed: *all}
+	total, err := a.CountDeadLetters(c.ctx, f)
 	if err != nil {
 		return err
 	}
-	c.printf("%d dead letter(s)\n", len(rows))
+	f.After = *after
+	rows, err := a.DeadLetters(c.ctx, f, *limit)
+	if err != nil {
+		return err
+	}
+	c.printf("%d dead letter(s)\n", total)
+	defer c.printPage(len(rows), total, *after, *limit, func(i int) int64 { return rows[i].ID })
 	for _, d := range rows {
 		c.printf("id=%d context=%s %s/%d@%d attempts=%d value_bytes=%d at=%s%s\n  last_error: %s\n", d.ID, escape([]byte(d.Context)),
 			escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts, d.ValueLen, d.CreatedAt.UTC().Format(time.RFC3339),
