@@ -156,6 +156,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case err == nil:
 		return exitOK
 	case errors.Is(err, flag.ErrHelp):
+		// "idemctl outbox parked --help" printed nothing at all.
+		fmt.Fprint(stdout, usage)
 		return exitOK
 	case errors.As(err, &u):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
