@@ -23,9 +23,12 @@ SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), tr
 -- taken over), 0 when the lock is held elsewhere (the key is in flight) or a
 -- live row exists (GetKey tells which). Any wait here is on something else (a
 -- table lock, a purge holding an expired row), bounded by lock_timeout.
+-- Advisory locks are per database, not per schema: the lock id is XORed with
+-- this idem_keys table's OID, so the same key in flight in another schema's
+-- table (another tenant's or test's schema) is not taken for this one's.
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT @scope, @principal, @key, @fingerprint, now() + make_interval(secs => @ttl_seconds::float8)
-WHERE pg_try_advisory_xact_lock(@lock_id::bigint)
+WHERE pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint)
 ON CONFLICT (scope, principal, key) DO UPDATE
 SET fingerprint = EXCLUDED.fingerprint,
     status_code = 0,
@@ -211,8 +214,12 @@ WHERE status = 'PUBLISHING'
 
 -- name: SetRelayStatementTimeout :exec
 -- Bounds the lease queries on the server too (transaction-local), so a lease
--- statement stuck behind a lock cannot outlive the lease it renews.
-SELECT set_config('statement_timeout', @timeout::text, true);
+-- statement stuck behind a lock cannot outlive the lease it renews, and a
+-- relay frozen inside a lease transaction (SIGSTOP, a paused VM) loses its
+-- session instead of holding the lease row's lock, and every standby's
+-- takeover, until it wakes.
+SELECT set_config('statement_timeout', @timeout::text, true),
+       set_config('idle_in_transaction_session_timeout', @timeout::text, true);
 
 -- name: AcquireRelayLease :one
 -- Takes the lease for token when nobody holds it, the holder's lease has

@@ -1,5 +1,13 @@
 -- idemgen schema. Emitted verbatim by `idemgen schema` and applied by
 -- runtime.Migrate; every statement is idempotent so either may run repeatedly.
+--
+-- Indexes and the trigger are created only after a catalog check (the DO
+-- blocks), never with CREATE INDEX IF NOT EXISTS / CREATE OR REPLACE TRIGGER:
+-- those lock the table even when the object exists, queueing behind every
+-- request in flight and making new requests queue behind them, so applying
+-- this file to a database that already has the objects (an upgrade from a
+-- version without idem_schema_version, say) would stall running replicas.
+-- Applied to existing tables, this file takes no lock a request conflicts with.
 
 -- idem_keys holds one row per completed Idempotency-Key. The claim row is
 -- inserted in the same transaction as the handler's own writes, so a row that
@@ -19,7 +27,14 @@ CREATE TABLE IF NOT EXISTS idem_keys (
     PRIMARY KEY (scope, principal, key)
 );
 
-CREATE INDEX IF NOT EXISTS idem_keys_expires_at ON idem_keys (expires_at);
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_keys'::regclass AND c.relname = 'idem_keys_expires_at') THEN
+        CREATE INDEX idem_keys_expires_at ON idem_keys (expires_at);
+    END IF;
+END
+$$;
 
 -- idem_processed_events records that a consumer context applied an event. The
 -- row is inserted in the same transaction as the handler's writes, so "the
@@ -35,7 +50,14 @@ CREATE TABLE IF NOT EXISTS idem_processed_events (
     PRIMARY KEY (context, event_id)
 );
 
-CREATE INDEX IF NOT EXISTS idem_processed_events_processed_at ON idem_processed_events (processed_at);
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_processed_events'::regclass AND c.relname = 'idem_processed_events_processed_at') THEN
+        CREATE INDEX idem_processed_events_processed_at ON idem_processed_events (processed_at);
+    END IF;
+END
+$$;
 
 -- idem_dead_letters keeps the records a consumer could not apply (undecodable,
 -- without an event id, or failing past the retry budget), raw, so nothing is
@@ -127,10 +149,26 @@ CREATE TABLE IF NOT EXISTS idem_outbox (
     last_error   text
 );
 
-CREATE INDEX IF NOT EXISTS idem_outbox_pending ON idem_outbox (id) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idem_outbox_publishing ON idem_outbox (locked_until) WHERE status = 'PUBLISHING';
-CREATE INDEX IF NOT EXISTS idem_outbox_published ON idem_outbox (published_at) WHERE status = 'PUBLISHED';
-CREATE INDEX IF NOT EXISTS idem_outbox_parked ON idem_outbox (topic, id) WHERE status = 'PARKED';
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_pending') THEN
+        CREATE INDEX idem_outbox_pending ON idem_outbox (id) WHERE status = 'PENDING';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_publishing') THEN
+        CREATE INDEX idem_outbox_publishing ON idem_outbox (locked_until) WHERE status = 'PUBLISHING';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_published') THEN
+        CREATE INDEX idem_outbox_published ON idem_outbox (published_at) WHERE status = 'PUBLISHED';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                   WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_parked') THEN
+        CREATE INDEX idem_outbox_parked ON idem_outbox (topic, id) WHERE status = 'PARKED';
+    END IF;
+END
+$$;
 
 -- idem_relay_leader is the relay's leadership lease: one row per outbox. The
 -- leader renews expires_at (PostgreSQL's clock, never a replica's) every
@@ -157,9 +195,14 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE TRIGGER idem_outbox_notify
-AFTER INSERT ON idem_outbox
-FOR EACH STATEMENT EXECUTE FUNCTION idem_outbox_notify();
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'idem_outbox'::regclass AND tgname = 'idem_outbox_notify') THEN
+        CREATE TRIGGER idem_outbox_notify AFTER INSERT ON idem_outbox
+            FOR EACH STATEMENT EXECUTE FUNCTION idem_outbox_notify();
+    END IF;
+END
+$$;
 
 -- idem_schema_version records which text of this file was last applied (its
 -- SHA-256, written by idem.Migrate after applying it), so that Migrate on a

@@ -44,6 +44,10 @@ const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal starts a graceful shutdown (NOT_READY_DELAY, then
+	// DRAIN_TIMEOUT); a second one ends the process at once (the default
+	// action): what is in flight rolls back, as after a crash.
+	go func() { <-ctx.Done(); stop() }()
 	cmd := "demo"
 	if len(os.Args) > 1 {
 		cmd = os.Args[1]
@@ -91,6 +95,11 @@ func open(ctx context.Context) (*pgxpool.Pool, error) {
 	timeout, err := envDuration("STARTUP_TIMEOUT", 15*time.Second)
 	if err != nil {
 		return nil, err
+	}
+	if timeout == 0 {
+		// 0 would fail every start-up at once with a misleading "database
+		// unreachable"; it does not mean "no bound".
+		return nil, errors.New(`STARTUP_TIMEOUT="0": want a positive duration such as 15s`)
 	}
 	cfg, err := pgxpool.ParseConfig(databaseURL())
 	if err != nil {
@@ -236,6 +245,16 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 			return cfg, fmt.Errorf("KAFKA_SESSION_TIMEOUT: %w", err)
 		}
 		cfg.ClientOpts = append(cfg.ClientOpts, kgo.SessionTimeout(timeout), kgo.HeartbeatInterval(timeout/5))
+	}
+	// Tests shorten the fetch wait too: kfake answers an empty fetch only
+	// when the wait ends, so a record produced just after a member joins
+	// would otherwise sit there for franz-go's default 5s.
+	if d := os.Getenv("KAFKA_FETCH_MAX_WAIT"); d != "" {
+		wait, err := time.ParseDuration(d)
+		if err != nil {
+			return cfg, fmt.Errorf("KAFKA_FETCH_MAX_WAIT: %w", err)
+		}
+		cfg.ClientOpts = append(cfg.ClientOpts, kgo.FetchMaxWait(wait))
 	}
 	return cfg, nil
 }

@@ -56,10 +56,14 @@ Environment:
                         next heartbeat (every 3s), so its partitions wait ~45-48s. Lower it
                         (e.g. 6s) for faster takeover, at the cost of spurious rebalances
                         on long GC or network pauses
+  KAFKA_FETCH_MAX_WAIT  how long a fetch waits for records (default: franz-go's 5s); tests
+                        shorten it, as an in-process broker holds an empty fetch that long
   RELAY_LEASE           the relay's leadership lease (default 15s, idem's); a killed leader's
                         standby takes over after it; tests shorten it
   LOG_LEVEL             debug, info (default), warn or error; per-record lines are debug
   IDEM_CRASH_AT         tests only: SIGKILL the process at a named crash point
+  IDEM_STOP_AT          tests only: SIGSTOP the process there instead
+  IDEM_CRASH_HIT        tests only: act on the k-th time the point is reached (default 1)
 `
 
 // Topics: the consumers read orders.confirmed (billing) and billing.charged

@@ -151,7 +151,7 @@ func TestHelp(t *testing.T) {
 	}
 	for _, want := range []string{"demo", "serve", "consume", "relay", "provider",
 		"DATABASE_URL", "ADDR", "PROVIDER_URL", "PROVIDER_ADDR", "STARTUP_TIMEOUT", "NOT_READY_DELAY", "DRAIN_TIMEOUT", "KAFKA_BROKERS", "KAFKA_EMBEDDED_ADDR", "KAFKA_CREATE_TOPICS",
-		"KAFKA_SESSION_TIMEOUT", "RELAY_LEASE", "LOG_LEVEL", "IDEM_CRASH_AT"} {
+		"KAFKA_SESSION_TIMEOUT", "KAFKA_FETCH_MAX_WAIT", "RELAY_LEASE", "LOG_LEVEL", "IDEM_CRASH_AT", "IDEM_STOP_AT", "IDEM_CRASH_HIT"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("--help does not mention %s", want)
 		}

@@ -304,6 +304,14 @@ func TestDuplicatesHoldNoConnection(t *testing.T) {
 	if got := pool.Stat().AcquiredConns(); got != 1 {
 		t.Fatalf("%d connections acquired while %d duplicates wait, want 1 (the first request's)", got, n)
 	}
+	// Nor do they take one now and then: waiting duplicates of a key in
+	// flight in this process do not poll the database (they wait for the
+	// key's turn), so no acquire happens while they wait.
+	acquires := pool.Stat().AcquireCount()
+	time.Sleep(300 * time.Millisecond)
+	if got := pool.Stat().AcquireCount() - acquires; got != 0 {
+		t.Fatalf("%d acquires in 300ms while %d duplicates wait, want 0", got, n)
+	}
 	// Other keys are served meanwhile, from the same pool.
 	for i := 0; i < 5; i++ {
 		if r := send(t, url, "k-other-"+string(rune('a'+i)), body1); r.status != http.StatusOK {

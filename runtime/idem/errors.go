@@ -13,7 +13,9 @@ import (
 // returns one to choose the status of its failure response; the transaction is
 // rolled back and nothing is stored, so the same key may be retried.
 type Error struct {
-	// Status is the HTTP status code of the response.
+	// Status is the HTTP status code of the response: a 4xx or 5xx. Any
+	// other value is answered as a 500 (and logged): a rolled-back failure
+	// must never look like a success or a redirect.
 	Status int
 	// Title is a short, human-readable summary; it defaults to the status text.
 	Title string
@@ -42,6 +44,10 @@ func (e *Error) Error() string {
 
 // Unwrap returns the underlying cause.
 func (e *Error) Unwrap() error { return e.Err }
+
+// isFailure reports whether e's status is a 4xx or 5xx: the only statuses a
+// failure, whose transaction rolled back, may be answered with.
+func (e *Error) isFailure() bool { return e.Status >= 400 && e.Status <= 599 }
 
 func (e *Error) title() string {
 	if e.Title != "" {

@@ -42,6 +42,12 @@ const (
 	MaxKeyLength = 255
 
 	rollbackTimeout = 5 * time.Second
+	// answerSlack is how long past the wait the round trips before the
+	// function (begin, claim) may take to come back: the claim's lock_timeout
+	// ends at the wait, and this covers the network. A database that does not
+	// answer by then (a partition, a stalled server) is a 503, and the
+	// connection is closed, so nothing it was doing can commit.
+	answerSlack = time.Second
 	// A duplicate of a key in flight in another process polls for it, never
 	// holding a connection between polls: from pollMin doubling to pollMax.
 	pollMin = 10 * time.Millisecond
@@ -250,7 +256,7 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 	if name == "" {
 		name = ep.Scope
 	}
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return endpointHandler{method: method, serve: func(w http.ResponseWriter, r *http.Request) {
 		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
 		r = r.WithContext(ctx)
 		w = &statusRecorder{ResponseWriter: w}
@@ -280,8 +286,18 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		}
 		w.(*statusRecorder).replayed = out.replayed
 		out.write(w)
-	})
+	}}
 }
+
+// endpointHandler is the handler Handle returns. Its method lets
+// HandleRoute's 405 leave out of Allow a method that ServeMux routes to it
+// but that it refuses (HEAD, which ServeMux serves with a GET pattern).
+type endpointHandler struct {
+	method string // "" accepts any
+	serve  http.HandlerFunc
+}
+
+func (e endpointHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) { e.serve(w, r) }
 
 // endpointCtx carries the endpoint's name to instruments deep in serve.
 type endpointCtx struct{}
@@ -365,6 +381,10 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 		if err != nil {
 			var e *Error
 			if errors.As(err, &e) {
+				if !e.isFailure() {
+					h.logger.ErrorContext(r.Context(), "Principal returned an *idem.Error whose status is not 4xx or 5xx", "status", e.Status, "err", err)
+					return nil, &Error{Status: http.StatusInternalServerError, Err: err}
+				}
 				return nil, e
 			}
 			return nil, &Error{Status: http.StatusUnauthorized, Detail: err.Error(), Err: err}
@@ -483,14 +503,19 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		return h.run(ctx, ep, in, tx, call)
 	}
 	stored := in.key.storageKey()
-	release, err := h.flights.wait(ctx, stored, deadline, ep.NoWait)
-	if err != nil {
-		return nil, err
+	turn, out, err := h.flights.wait(ctx, stored, in.fingerprint, deadline, ep.NoWait)
+	if err != nil || out != nil {
+		return out, err
 	}
-	defer release()
+	defer turn.release()
 	poll := pollMin
 	for polled := false; ; polled = true {
 		out, err := h.attempt(ctx, ep, in, stored, deadline, call)
+		if err == nil {
+			// out is now the key's stored response: the duplicates waiting
+			// for the turn answer it without touching the database.
+			turn.publish(&response{status: out.status, header: h.replayHeaders(out.header), body: out.body, replayed: true}, in.fingerprint)
+		}
 		switch {
 		case errors.Is(err, errElsewhere):
 			if ep.NoWait {
@@ -534,11 +559,17 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	defer conn.Release()
 	defer rollback(ctx, tx) // after Commit this is a no-op
 
-	claimed, found, row, err := dbx.ClaimKeyRestore(ctx, tx, db.ClaimKeyParams{
+	cctx, cancel := answerBound(ctx, deadline)
+	claimed, found, row, err := dbx.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
 		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
 		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
 	})
+	err = unanswered(ctx, cctx, "claim", err)
+	cancel()
 	if err != nil {
+		if errors.Is(err, errBusy) {
+			return nil, err
+		}
 		switch pgCode(err) {
 		case "55P03": // lock_timeout: not our key's lock, which is never waited on
 			return nil, fmt.Errorf("%w: claim waited for a table or row lock past the wait bound: %w", errBusy, err)
@@ -580,7 +611,10 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 			lockTimeout = max(time.Until(deadline), time.Millisecond)
 		}
 		check := h.connCheckMS.Load()
-		tx, err := conn.BeginTx(ctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		bctx, cancel := answerBound(ctx, deadline)
+		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		err = unanswered(ctx, bctx, "begin", err)
+		cancel()
 		if err == nil {
 			return tx, conn, nil
 		}
@@ -590,8 +624,29 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 				"err", err)
 			continue
 		}
+		if errors.Is(err, errBusy) {
+			return nil, nil, err
+		}
 		return nil, nil, storageErr(ctx, "begin", err)
 	}
+}
+
+// answerBound returns ctx bounded for a round trip of the runtime's own
+// before the function runs: it must come back within the wait plus
+// answerSlack.
+func answerBound(ctx context.Context, deadline time.Time) (context.Context, context.CancelFunc) {
+	return context.WithDeadline(ctx, deadline.Add(answerSlack))
+}
+
+// unanswered turns err into errBusy when bctx, answerBound's context, ran out
+// while ctx did not: the database did not answer in time (pgx has closed the
+// connection, so whatever the server was doing rolls back). Other errors,
+// including ctx's own cancellation, pass through.
+func unanswered(ctx, bctx context.Context, doing string, err error) error {
+	if err != nil && ctx.Err() == nil && bctx.Err() != nil {
+		return fmt.Errorf("%w: %s: the database did not answer within the wait: %w", errBusy, doing, err)
+	}
+	return err
 }
 
 // connCheckRefused reports a server that cannot set
@@ -720,6 +775,12 @@ func (h *HTTP) replayHeaders(header http.Header) http.Header {
 func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	var e *Error
 	switch {
+	case errors.As(err, &e) && !e.isFailure():
+		// A failure answered as a success (200) or a redirect would tell the
+		// client that what was rolled back happened; an invalid code would
+		// make net/http panic and drop the connection.
+		h.logger.ErrorContext(r.Context(), "function returned an *idem.Error whose status is not 4xx or 5xx", "scope", ep.Scope, "status", e.Status, "err", err)
+		return &Error{Status: http.StatusInternalServerError, Err: err}
 	case errors.As(err, &e):
 		if e.Status >= 500 {
 			h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "status", e.Status, "err", err)

@@ -71,7 +71,9 @@ func (k Key) storageKey() Key {
 // lockID is the 64-bit advisory-lock key that marks k as in flight. A
 // collision between two keys in flight at the same moment (odds about n²/2⁶⁵
 // for n keys in flight) only makes one wait for the other, as a duplicate
-// would; the row itself still decides what is stored.
+// would; the row itself still decides what is stored. ClaimKey XORs it with
+// the idem_keys table's OID: advisory locks are per database, and the same
+// key in another schema's table is another key.
 func (k Key) lockID() int64 {
 	return int64(binary.BigEndian.Uint64(hashParts("idem.key", k.Scope, k.Principal, k.Key)))
 }

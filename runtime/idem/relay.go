@@ -279,6 +279,9 @@ func (r *Relay) inLeaseTx(ctx context.Context, fn func(context.Context, *db.Quer
 	if err := fn(lctx, q); err != nil {
 		return err
 	}
+	// A relay frozen here holds the lease row's lock: the server ends its
+	// session after the idle-in-transaction timeout set above.
+	crash.Point(lctx, "relay.lease-before-commit")
 	if err := tx.Commit(lctx); err != nil {
 		return fmt.Errorf("commit: %w", err)
 	}

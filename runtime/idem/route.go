@@ -49,7 +49,11 @@ func (m methodNotAllowed) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	for _, method := range probeMethods {
 		probe := r.Clone(r.Context())
 		probe.Method = method
-		if _, p := m.mux.Handler(probe); p != "" && p != m.pattern {
+		h, p := m.mux.Handler(probe)
+		if e, ok := h.(endpointHandler); ok && e.method != "" && e.method != method {
+			continue // a GET endpoint that ServeMux would give HEAD refuses it
+		}
+		if p != "" && p != m.pattern {
 			allow = append(allow, method)
 		}
 	}

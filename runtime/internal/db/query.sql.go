@@ -104,7 +104,7 @@ func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (Admin
 const ClaimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
-WHERE pg_try_advisory_xact_lock($6::bigint)
+WHERE pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint)
 ON CONFLICT (scope, principal, key) DO UPDATE
 SET fingerprint = EXCLUDED.fingerprint,
     status_code = 0,
@@ -132,6 +132,9 @@ type ClaimKeyParams struct {
 // taken over), 0 when the lock is held elsewhere (the key is in flight) or a
 // live row exists (GetKey tells which). Any wait here is on something else (a
 // table lock, a purge holding an expired row), bounded by lock_timeout.
+// Advisory locks are per database, not per schema: the lock id is XORed with
+// this idem_keys table's OID, so the same key in flight in another schema's
+// table (another tenant's or test's schema) is not taken for this one's.
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, ClaimKey,
 		arg.Scope,
@@ -1328,11 +1331,15 @@ func (q *Queries) SetMigrateLockTimeout(ctx context.Context, lockTimeout string)
 }
 
 const SetRelayStatementTimeout = `-- name: SetRelayStatementTimeout :exec
-SELECT set_config('statement_timeout', $1::text, true)
+SELECT set_config('statement_timeout', $1::text, true),
+       set_config('idle_in_transaction_session_timeout', $1::text, true)
 `
 
 // Bounds the lease queries on the server too (transaction-local), so a lease
-// statement stuck behind a lock cannot outlive the lease it renews.
+// statement stuck behind a lock cannot outlive the lease it renews, and a
+// relay frozen inside a lease transaction (SIGSTOP, a paused VM) loses its
+// session instead of holding the lease row's lock, and every standby's
+// takeover, until it wakes.
 func (q *Queries) SetRelayStatementTimeout(ctx context.Context, timeout string) error {
 	_, err := q.db.Exec(ctx, SetRelayStatementTimeout, timeout)
 	return err
