@@ -127,6 +127,19 @@ CREATE INDEX IF NOT EXISTS idem_dead_letters_created_at ON idem_dead_letters (cr
 -- operator through this index.
 CREATE INDEX IF NOT EXISTS idem_dead_letters_unreplayed ON idem_dead_letters (id) WHERE replayed_at IS NULL;
 
+-- idem_uuid_v7 is a time-ordered UUID (RFC 9562 version 7: 48 bits of Unix
+-- milliseconds, then random bits), the default outbox event id. Every claim
+-- and mark UPDATE of an outbox row writes a new entry in the event_id unique
+-- index (the status is in partial-index predicates, so the update is never
+-- HOT): with random UUIDs those entries land all over an index of the whole
+-- history, with time-ordered ones on its few rightmost pages.
+CREATE OR REPLACE FUNCTION idem_uuid_v7() RETURNS uuid
+LANGUAGE sql VOLATILE PARALLEL SAFE AS $$
+    SELECT encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid())
+        PLACING substring(int8send(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
+        FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid
+$$;
+
 -- idem_outbox holds events written in business transactions until the relay
 -- has published them: PENDING -> PUBLISHING (claimed by the leading relay,
 -- under its lease token) -> PUBLISHED, or PARKED after a permanent error or
@@ -134,7 +147,7 @@ CREATE INDEX IF NOT EXISTS idem_dead_letters_unreplayed ON idem_dead_letters (id
 -- failures charged to the row itself, never a broker-wide outage.
 CREATE TABLE IF NOT EXISTS idem_outbox (
     id           bigserial   PRIMARY KEY,
-    event_id     text        NOT NULL UNIQUE DEFAULT gen_random_uuid()::text,
+    event_id     text        NOT NULL UNIQUE DEFAULT idem_uuid_v7()::text,
     topic        text        NOT NULL,
     record_key   bytea,
     payload      bytea       NOT NULL,
@@ -213,3 +226,15 @@ CREATE TABLE IF NOT EXISTS idem_schema_version (
     digest     text        NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- An outbox created before event ids were time-ordered gets the new default
+-- (after a catalog check: ALTER TABLE locks the table, so only when needed).
+DO $$
+BEGIN
+    IF (SELECT pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d
+        JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+        WHERE d.adrelid = 'idem_outbox'::regclass AND a.attname = 'event_id') IS DISTINCT FROM '(idem_uuid_v7())::text' THEN
+        ALTER TABLE idem_outbox ALTER COLUMN event_id SET DEFAULT idem_uuid_v7()::text;
+    END IF;
+END
+$$;

@@ -6,38 +6,47 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/internal/benchkit"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
-// BenchmarkHTTPSideBySide runs, interleaved in one loop so that machine noise
-// hits all of them alike:
+// httpBench is the three handlers the HTTP benchmark compares, on one pool.
+type httpBench struct {
+	pool  *pgxpool.Pool
+	bare  http.Handler
+	idemH http.Handler
+}
+
+// newHTTPBench builds, on a fresh schema:
 //
-//   - bare:   a handler that decodes the JSON, INSERTs in its own
-//     transaction, commits and encodes the response;
-//   - first:  the idempotent handler on a new key doing the same INSERT;
-//   - replay: the idempotent handler on a completed key.
-//
-// It reports each one's mean latency and the ratios first/bare and
-// replay/first. Run: go test ./runtime -run '^$' -bench HTTPSideBySide
-func BenchmarkHTTPSideBySide(b *testing.B) {
+//   - bare:  a handler that decodes the JSON, INSERTs in its own
+//     transaction (pool.Begin, INSERT … RETURNING, Commit: 3 round trips)
+//     and encodes the response;
+//   - idemH: the idempotent handler (default HTTPConfig) around the same
+//     INSERT.
+func newHTTPBench(b *testing.B, configure func(*pgxpool.Config)) *httpBench {
 	pool := pgtest.PoolConfig(b, func(c *pgxpool.Config) {
 		if os.Getenv("BENCH_ASYNC_COMMIT") != "" {
 			c.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
 		}
+		configure(c)
 	})
 	ctx := context.Background()
 	if err := idem.Migrate(ctx, pool); err != nil {
 		b.Fatal(err)
 	}
-	pgtest.Exec(b, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
-
+	pgtest.Exec(b, pool, `CREATE TABLE IF NOT EXISTS effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
 	insert := func(ctx context.Context, tx pgx.Tx, req chargeReq) (receipt, error) {
 		var id int64
 		err := tx.QueryRow(ctx, `INSERT INTO effects (order_id, amount) VALUES ($1, $2) RETURNING id`, req.Order, req.Amount).Scan(&id)
@@ -71,30 +80,263 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	idemH := idem.Handle(engine, idem.Endpoint{Scope: "bench", Route: "POST /charges", Status: 201}, insert)
-	if r := do(idemH, "replayed", body1); r.status != http.StatusCreated {
-		b.Fatal(r.status)
+	return &httpBench{pool: pool, bare: bare,
+		idemH: idem.Handle(engine, idem.Endpoint{Scope: "bench", Route: "POST /charges", Status: 201}, insert)}
+}
+
+func (hb *httpBench) call(b *testing.B, h http.Handler, key string) {
+	if r := do(h, key, body1); r.status != http.StatusCreated {
+		b.Fatalf("key %q: status %d: %s", key, r.status, r.body)
+	}
+}
+
+// BenchmarkHTTPSideBySide compares, on one pool of 8 connections and one
+// PostgreSQL (fsync on unless BENCH_ASYNC_COMMIT is set):
+//
+//   - bare:        the plain handler (see newHTTPBench);
+//   - first:       the idempotent handler on a new key, same INSERT;
+//   - replay:      the idempotent handler on completed keys, each request
+//     on a key no other request in flight uses;
+//   - replay-same: every request on one completed key.
+//
+// For each concurrency (1, 8, 64 workers, each sending its next request
+// when the last is answered) it runs rounds in which every kind runs the
+// same number of requests, one kind after the other, so that machine noise
+// hits all of them alike; it reports throughput and p50/p99 latency, and the
+// ratios. The handlers are called directly (httptest), without a network
+// hop, so the figures are the engine's cost, not net/http's.
+//
+// Then, on a pool of one connection dialed through a counting net.Conn, it
+// counts round trips per request on the wire (statement cache warm), and
+// checks whether a replay writes: the WAL position before and after, and
+// whether the replayed row was locked (xmax set).
+//
+// Run: go run ./cmd/idembench -only http (or go test ./runtime/idem -run '^$' -bench HTTPSideBySide -benchtime 1x)
+func BenchmarkHTTPSideBySide(b *testing.B) {
+	hb := newHTTPBench(b, func(c *pgxpool.Config) { c.MaxConns = 8 })
+	if n := benchkit.History(); n > 0 {
+		pgtest.Exec(b, hb.pool, fmt.Sprintf(`INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, body, expires_at)
+			SELECT 'bench', '', 'h-' || i, '\x00'::bytea, 201, '\x00'::bytea, now() + interval '1 day' FROM generate_series(1, %d) i`, n))
+		pgtest.Exec(b, hb.pool, `VACUUM ANALYZE idem_keys`)
+	}
+	const replayKeys = 1024
+	for i := range replayKeys {
+		hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i))
+	}
+	hb.call(b, hb.idemH, "same")
+
+	type kind struct {
+		name string
+		op   func(i int64)
+	}
+	for _, c := range []int{1, 8, 64} {
+		rounds := benchkit.Pick(2, 6)
+		n := benchkit.Pick(map[int]int{1: 400, 8: 600, 64: 1200}, map[int]int{1: 1000, 8: 3000, 64: 6000})[c]
+		var kinds []kind
+		for _, k := range []string{"bare", "first", "replay", "replay-same"} {
+			kinds = append(kinds, kind{name: k, op: func(i int64) {
+				switch k {
+				case "bare":
+					hb.call(b, hb.bare, "")
+				case "first":
+					hb.call(b, hb.idemH, fmt.Sprintf("f-%d-%d-%d", c, b.N, i))
+				case "replay":
+					hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i%replayKeys))
+				case "replay-same":
+					hb.call(b, hb.idemH, "same")
+				}
+			}})
+		}
+		lat := map[string][]time.Duration{}
+		wall := map[string]time.Duration{}
+		var seq atomic.Int64
+		for range rounds {
+			for _, k := range kinds {
+				start := time.Now()
+				var mu sync.Mutex
+				var wg sync.WaitGroup
+				var left atomic.Int64
+				left.Store(int64(n))
+				for range c {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						var mine []time.Duration
+						for left.Add(-1) >= 0 {
+							t := time.Now()
+							k.op(seq.Add(1))
+							mine = append(mine, time.Since(t))
+						}
+						mu.Lock()
+						lat[k.name] = append(lat[k.name], mine...)
+						mu.Unlock()
+					}()
+				}
+				wg.Wait()
+				wall[k.name] += time.Since(start)
+			}
+		}
+		thr := map[string]float64{}
+		p50 := map[string]time.Duration{}
+		p99 := map[string]time.Duration{}
+		for _, k := range kinds {
+			thr[k.name] = float64(n*rounds) / wall[k.name].Seconds()
+			p50[k.name] = benchkit.Percentile(lat[k.name], 0.50)
+			p99[k.name] = benchkit.Percentile(lat[k.name], 0.99)
+		}
+		detail := func(a, z string) string {
+			return fmt.Sprintf("%s %.0f/s p50 %.2fms p99 %.2fms; %s %.0f/s p50 %.2fms p99 %.2fms",
+				a, thr[a], benchkit.Ms(p50[a]), benchkit.Ms(p99[a]), z, thr[z], benchkit.Ms(p50[z]), benchkit.Ms(p99[z]))
+		}
+		sec := fmt.Sprintf("HTTP c=%d", c) + benchkit.HistoryLabel()
+		latTarget, thrTarget := "", ""
+		if c == 1 {
+			latTarget = "≤ 1.25"
+		}
+		if c == 64 {
+			thrTarget = "≥ 0.85"
+		}
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "first/bare latency p50", Unit: "ratio", Target: latTarget,
+			Value: float64(p50["first"]) / float64(p50["bare"]), Detail: detail("bare", "first")})
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "first/bare latency p99", Unit: "ratio",
+			Value: float64(p99["first"]) / float64(p99["bare"])})
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "first/bare throughput", Unit: "ratio", Target: thrTarget,
+			Value: thr["first"] / thr["bare"]})
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "replay/first latency p50", Unit: "ratio",
+			Value: float64(p50["replay"]) / float64(p50["first"]), Detail: detail("replay", "replay-same")})
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "replay/first throughput", Unit: "ratio",
+			Value: thr["replay"] / thr["first"]})
+		if c > 1 {
+			benchkit.Emit(benchkit.Row{Section: sec, Name: "same-key/distinct-key replay throughput", Unit: "ratio", Target: "≥ 0.95",
+				Value: thr["replay-same"] / thr["replay"]})
+		}
+		b.ReportMetric(float64(p50["first"])/float64(p50["bare"]), fmt.Sprintf("c%d-first/bare-p50", c))
 	}
 
-	var tBare, tFirst, tReplay time.Duration
-	run := func(total *time.Duration, h http.Handler, key string, want int) {
+	// Round trips, on a fresh pool of one connection: exact per request.
+	var rt benchkit.RoundTrips
+	one := newHTTPBench(b, func(c *pgxpool.Config) { c.MaxConns = 1; c.ConnConfig.DialFunc = rt.Dial })
+	per := func(what func(i int)) float64 {
+		for i := range 20 { // warm the statement cache
+			what(-1 - i)
+		}
+		const ops = 50
+		before := rt.Count()
+		for i := range ops {
+			what(i)
+		}
+		return float64(rt.Count()-before) / ops
+	}
+	bareRT := per(func(int) { one.call(b, one.bare, "") })
+	firstRT := per(func(i int) { one.call(b, one.idemH, fmt.Sprintf("rt-%d-%d", b.N, i)) })
+	one.call(b, one.idemH, "rt-replay")
+	replayRT := per(func(int) { one.call(b, one.idemH, "rt-replay") })
+	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP bare request", Unit: "round trips", Value: bareRT,
+		Detail: "BEGIN │ INSERT │ COMMIT"})
+	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP first request", Unit: "round trips", Value: firstRT, Target: "3",
+		Detail: "BEGIN+settings │ claim batch │ the INSERT │ CompleteKey+COMMIT"})
+	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP replay", Unit: "round trips", Value: replayRT, Target: "2",
+		Detail: "BEGIN+settings │ claim batch │ ROLLBACK, sent after the response: the client waits for 2"})
+
+	// Does a replay write? WAL is server-wide: other sessions' writes count
+	// too, so the byte figure is an upper bound; the row's xmax is exact
+	// (a replay that locks the row leaves its transaction id there).
+	ctx := context.Background()
+	var xmaxAfter, walBefore, walAfter string
+	q := `SELECT xmax::text FROM idem_keys WHERE key = 'rt-replay'`
+	_ = one.pool.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&walBefore)
+	const replays = 100
+	for range replays {
+		one.call(b, one.idemH, "rt-replay")
+	}
+	_ = one.pool.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&walAfter)
+	_ = one.pool.QueryRow(ctx, q).Scan(&xmaxAfter)
+	var walBytes float64
+	_ = one.pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)::float8`, walAfter, walBefore).Scan(&walBytes)
+	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP replay WAL (server-wide upper bound)", Unit: "bytes/replay",
+		Value: walBytes / replays, Target: "0",
+		Detail: fmt.Sprintf("replayed row xmax after replays: %s (0: not locked)", xmaxAfter)})
+}
+
+// BenchmarkOutboxAtScale measures the relay's claim of 500 PENDING rows (one
+// ClaimOutboxBatch, then one MarkOutboxPublished of the same rows) on an
+// empty outbox and after 1M PUBLISHED rows of history (100k unless in long
+// mode), for the time-ordered event id (idem_uuid_v7, the default) and for
+// the random one it replaced (gen_random_uuid): four outboxes, measured in
+// turn 21 times so that the machine's noise hits all four alike; medians.
+// And OutboxCounts at that history, measured the same way. Run:
+// go run ./cmd/idembench -long -only storage
+func BenchmarkOutboxAtScale(b *testing.B) {
+	history := benchkit.Pick(100_000, 1_000_000)
+	ctx := context.Background()
+	token := pgtype.Text{String: "bench", Valid: true}
+	type outbox struct {
+		pool               *pgxpool.Pool
+		claims, marks, cnt []time.Duration
+	}
+	setup := func(dflt string, rows int) *outbox {
+		pool := pgtest.PoolConfig(b, func(c *pgxpool.Config) {
+			if os.Getenv("BENCH_ASYNC_COMMIT") != "" {
+				c.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
+			}
+		})
+		if err := idem.Migrate(ctx, pool); err != nil {
+			b.Fatal(err)
+		}
+		if dflt != "" {
+			pgtest.Exec(b, pool, `ALTER TABLE idem_outbox ALTER COLUMN event_id SET DEFAULT `+dflt)
+		}
+		if l, err := db.New(pool).AcquireRelayLease(ctx, db.AcquireRelayLeaseParams{Name: "idem_outbox", Holder: "bench", Token: token.String, LeaseSeconds: 3600}); err != nil || !l.Acquired {
+			b.Fatalf("lease: %v", err)
+		}
+		if rows > 0 {
+			pgtest.Exec(b, pool, fmt.Sprintf(`INSERT INTO idem_outbox (topic, payload, status, published_at)
+				SELECT 'events', '\x00'::bytea, 'PUBLISHED', now() FROM generate_series(1, %d)`, rows))
+		}
+		pgtest.Exec(b, pool, `VACUUM ANALYZE idem_outbox`)
+		return &outbox{pool: pool}
+	}
+	once := func(o *outbox) {
+		q := db.New(o.pool)
+		pgtest.Exec(b, o.pool, `INSERT INTO idem_outbox (topic, payload) SELECT 'events', '\x00'::bytea FROM generate_series(1, 500)`)
 		start := time.Now()
-		r := do(h, key, body1)
-		*total += time.Since(start)
-		if r.status != want {
-			b.Fatalf("status %d: %s", r.status, r.body)
+		rows, err := q.ClaimOutboxBatch(ctx, db.ClaimOutboxBatchParams{Name: "idem_outbox", BatchSize: 500, ClaimToken: token, LeaseSeconds: 60})
+		if err != nil || len(rows) != 500 {
+			b.Fatalf("claim: %d rows, %v", len(rows), err)
+		}
+		o.claims = append(o.claims, time.Since(start))
+		ids := make([]int64, len(rows))
+		for i, r := range rows {
+			ids[i] = r.ID
+		}
+		start = time.Now()
+		if n, err := q.MarkOutboxPublished(ctx, db.MarkOutboxPublishedParams{Ids: ids, ClaimToken: token, Name: "idem_outbox"}); err != nil || n != 500 {
+			b.Fatalf("mark: %d rows, %v", n, err)
+		}
+		o.marks = append(o.marks, time.Since(start))
+		start = time.Now()
+		if _, err := idem.NewStore(o.pool).OutboxCounts(ctx); err != nil {
+			b.Fatal(err)
+		}
+		o.cnt = append(o.cnt, time.Since(start))
+	}
+	v7Empty, v7Full := setup("", 0), setup("", history)
+	rndEmpty, rndFull := setup("gen_random_uuid()::text", 0), setup("gen_random_uuid()::text", history)
+	all := []*outbox{v7Empty, v7Full, rndEmpty, rndFull}
+	for range 21 {
+		for _, o := range all {
+			once(o)
 		}
 	}
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		run(&tBare, bare, "", http.StatusCreated)
-		run(&tFirst, idemH, fmt.Sprintf("k-%d-%d", b.N, i), http.StatusCreated)
-		run(&tReplay, idemH, "replayed", http.StatusCreated)
+	med := func(ds []time.Duration) time.Duration { return benchkit.Percentile(ds, 0.5) }
+	sec := fmt.Sprintf("Outbox, %dk history", history/1000)
+	for _, v := range []struct {
+		name        string
+		empty, full *outbox
+	}{{"time-ordered event id", v7Empty, v7Full}, {"random event id (old)", rndEmpty, rndFull}} {
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "claim+mark 500, history/empty, " + v.name, Unit: "ratio", Target: "≤ 1.3",
+			Value: float64(med(v.full.claims)+med(v.full.marks)) / float64(med(v.empty.claims)+med(v.empty.marks)),
+			Detail: fmt.Sprintf("empty: claim %.1fms mark %.1fms; history: claim %.1fms mark %.1fms; OutboxCounts %.1fms",
+				benchkit.Ms(med(v.empty.claims)), benchkit.Ms(med(v.empty.marks)), benchkit.Ms(med(v.full.claims)), benchkit.Ms(med(v.full.marks)), benchkit.Ms(med(v.full.cnt)))})
 	}
-	n := float64(b.N)
-	b.ReportMetric(float64(tBare.Microseconds())/n, "bare-µs/req")
-	b.ReportMetric(float64(tFirst.Microseconds())/n, "first-µs/req")
-	b.ReportMetric(float64(tReplay.Microseconds())/n, "replay-µs/req")
-	b.ReportMetric(float64(tFirst)/float64(tBare), "first/bare")
-	b.ReportMetric(float64(tReplay)/float64(tFirst), "replay/first")
 }

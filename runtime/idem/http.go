@@ -3,7 +3,6 @@ package idem
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,6 +10,7 @@ import (
 	"log/slog"
 	"mime"
 	"net/http"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -237,7 +237,8 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 
 // Handle returns the http.Handler for one //idem:http function. For every
 // request with a new key it runs, in one transaction: claim the key, call fn
-// with the decoded JSON request, store the response, commit. A repeated key
+// with the decoded JSON request (and its fields tagged path, query or header
+// bound: see bind.go), store the response, commit. A repeated key
 // with the same request replays the stored response without calling fn.
 //
 // Generated code calls it; call it by hand to wrap a function without the
@@ -252,6 +253,10 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		panic(fmt.Sprintf("idem.Handle %s: %v", ep.Scope, err))
 	}
 	method := ep.method()
+	bind, err := newBinder(reflect.TypeFor[Req](), ep.Route)
+	if err != nil {
+		panic(fmt.Sprintf("idem.Handle %s: request binding: %v", ep.Scope, err))
+	}
 	name := ep.Route
 	if name == "" {
 		name = ep.Scope
@@ -287,7 +292,7 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 			return
 		}
 		var req Req
-		if perr := decodeJSON(in.body, &req, h.strict); perr != nil {
+		if perr := bind.decode(r, in, &req, h.strict); perr != nil {
 			writeProblem(w, perr)
 			return
 		}
@@ -387,7 +392,8 @@ func (o *response) write(w http.ResponseWriter) {
 
 // readRequest resolves the principal (for every request: authentication
 // never depends on the key header), validates the key, reads the body under
-// the size limit, checks its media type and fingerprints the request.
+// the size limit and checks its media type (binder.decode then decodes,
+// binds and fingerprints it).
 func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) (*request, *Error) {
 	in := &request{}
 	if h.principal != nil {
@@ -433,13 +439,6 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 			Detail: fmt.Sprintf("the body must be JSON (application/json), not %q", ct)}
 	}
 	in.body = body
-
-	// The fingerprint binds a key to one request: the same key with another
-	// method, target or body is a client bug (422), not a retry.
-	f := sha256.New()
-	fmt.Fprintf(f, "%s\x00%s\x00", r.Method, r.URL.RequestURI())
-	f.Write(body)
-	in.fingerprint = f.Sum(nil)
 	return in, nil
 }
 
@@ -570,8 +569,13 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	if err != nil {
 		return nil, err
 	}
-	defer conn.Release()
-	defer rollback(ctx, tx) // after Commit this is a no-op
+	async := false
+	defer func() {
+		if !async {
+			endTx(ctx, tx) // after a commit this sends nothing
+			conn.Release()
+		}
+	}()
 
 	cctx, cancel := answerBound(ctx, deadline)
 	claimed, found, row, err := dbx.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
@@ -594,6 +598,15 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	}
 	if !claimed {
 		if found && row.Live {
+			// The claim read the row and wrote nothing (ClaimKey locks no
+			// live row): the client gets its replay now, and the empty
+			// transaction ends in the background, a round trip it need
+			// not wait for. The connection returns to the pool after.
+			async = true
+			go func() {
+				endTx(ctx, tx)
+				conn.Release()
+			}()
 			return replay(ctx, row, in)
 		}
 		return nil, errElsewhere
@@ -645,6 +658,17 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 	}
 }
 
+// endTx rolls tx back unless its connection is already out of a
+// transaction (CompleteKeyCommit committed it in the same round trip as the
+// response, which tx does not know): a ROLLBACK then would be a round trip
+// for nothing.
+func endTx(ctx context.Context, tx pgx.Tx) {
+	if tx.Conn().PgConn().TxStatus() == 'I' {
+		return
+	}
+	rollback(ctx, tx)
+}
+
 // answerBound returns ctx bounded for a round trip of the runtime's own
 // before the function runs: it must come back within the wait plus
 // answerSlack.
@@ -690,32 +714,42 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 	header.Set("Content-Type", "application/json")
 	out := &response{status: ep.Status, header: header, body: body}
 
-	if in.key != nil {
+	if err := ctx.Err(); err != nil {
+		// A function that ignored cancellation must not commit: the caller
+		// (a client that hung up, or shutdown) has been told nothing
+		// happened.
+		return nil, err
+	}
+	if in.key == nil {
+		crash.Point(ctx, "http.before-commit")
+		if err := tx.Commit(ctx); err != nil {
+			return nil, storageErr(ctx, "commit", err)
+		}
+	} else {
 		stored := in.key.storageKey()
 		headers, err := json.Marshal(h.replayHeaders(header))
 		if err != nil {
 			return nil, fmt.Errorf("%w: headers: %w", errEncodeFailure, err)
 		}
-		if _, err := db.New(tx).CompleteKey(ctx, db.CompleteKeyParams{
+		crash.Point(ctx, "http.before-commit")
+		// The response is stored and the transaction committed in one
+		// round trip; a failed store skips the COMMIT (the transaction
+		// rolls back).
+		err = dbx.CompleteKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.CompleteKeyParams{
 			StatusCode: int32(out.status), Headers: headers, Body: body,
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
-		}); err != nil {
-			if c := pgCode(err); strings.HasPrefix(c, "22") || c == "54000" {
-				// PostgreSQL refused a header the function set: its bug (500),
-				// not a storage failure to retry forever.
-				return nil, fmt.Errorf("store response headers: %w", err)
-			}
+		})
+		switch c := pgCode(err); {
+		case err == nil:
+		case errors.Is(err, dbx.ErrCommit):
+			return nil, storageErr(ctx, "commit", err)
+		case strings.HasPrefix(c, "22") || c == "54000":
+			// PostgreSQL refused a header the function set: its bug (500),
+			// not a storage failure to retry forever.
+			return nil, fmt.Errorf("store response headers: %w", err)
+		default:
 			return nil, storageErr(ctx, "store response", err)
 		}
-	}
-	// A function that ignored cancellation must not commit: the caller (a
-	// client that hung up, or shutdown) has been told nothing happened.
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	crash.Point(ctx, "http.before-commit")
-	if err := tx.Commit(ctx); err != nil {
-		return nil, storageErr(ctx, "commit", err)
 	}
 	crash.Point(ctx, "http.after-commit")
 	return out, nil

@@ -209,7 +209,7 @@ func TestJanitorSkipsKeyInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	if n, err := db.New(tx).ClaimKey(ctx, db.ClaimKeyParams{Scope: "s", Principal: "p", Key: "old-1", Fingerprint: []byte{1}, TtlSeconds: 60}); err != nil || n != 1 {
+	if n, err := db.New(tx).TakeOverExpiredKey(ctx, db.TakeOverExpiredKeyParams{Scope: "s", Principal: "p", Key: "old-1", Fingerprint: []byte{1}, TtlSeconds: 60}); err != nil || n != 1 {
 		t.Fatalf("take over expired key: %d %v", n, err)
 	}
 	j, err := idem.NewJanitor(idem.NewStore(pool), idem.JanitorConfig{})

@@ -47,7 +47,9 @@ type Message struct {
 // reach the broker in slice order, and a failed message must fail every later
 // message of its key in the batch (franz-go's idempotent producer does both
 // per partition). Wrap an error that retrying cannot fix (a record too large)
-// with Permanent so the relay parks the row at once.
+// with Permanent so the relay parks the row at once, and one that is the
+// broker's refusal of this message rather than an outage (its topic does not
+// exist) with Rejected, so that it counts toward the row's attempts.
 type Publisher interface {
 	Publish(ctx context.Context, msgs []Message) []error
 }
@@ -61,6 +63,22 @@ func Permanent(err error) error { return permanentError{err} }
 
 // IsPermanent reports whether err was marked with Permanent.
 func IsPermanent(err error) bool { return errors.As(err, new(permanentError)) }
+
+type rejectedError struct{ error }
+
+func (e rejectedError) Unwrap() error { return e.error }
+
+// Rejected marks err as the broker's answer about this message (for
+// example: its topic does not exist), as opposed to the broker being
+// unreachable. It may succeed later, so the row is retried, but the failure
+// is the row's own: it counts toward MaxAttempts even when no other message
+// of the batch was acked. Without this, rows that can never be published
+// would be taken for a broker outage and retried forever, and once they fill
+// a whole batch, hold back every newer event of every topic.
+func Rejected(err error) error { return rejectedError{err} }
+
+// IsRejected reports whether err was marked with Rejected.
+func IsRejected(err error) bool { return errors.As(err, new(rejectedError)) }
 
 // DeletePublished deletes up to batchSize PUBLISHED rows older than age,
 // oldest first, and returns how many it deleted. Run it in a loop (or from a
@@ -88,15 +106,20 @@ func (s *Store) DeleteProcessedEvents(ctx context.Context, age time.Duration, ba
 	return n, nil
 }
 
-// OutboxCounts returns the number of outbox rows per status.
+// OutboxCounts returns the number of outbox rows per status (statuses
+// with no row are left out). Each count is read from that status's partial
+// index (OutboxStatus), never by scanning the whole table: PENDING, PUBLISHING
+// and PARKED stay small; PUBLISHED grows with the history until retention.
 func (s *Store) OutboxCounts(ctx context.Context) (map[string]int64, error) {
-	rows, err := db.New(s.pool).OutboxCounts(ctx)
+	st, err := db.New(s.pool).OutboxStatus(ctx)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("outbox counts: %w", err)
 	}
 	out := map[string]int64{}
-	for _, r := range rows {
-		out[r.Status] = r.N
+	for status, n := range map[string]int64{"PENDING": st.Pending, "PUBLISHING": st.Publishing, "PUBLISHED": st.Published, "PARKED": st.Parked} {
+		if n > 0 {
+			out[status] = n
+		}
 	}
 	return out, nil
 }

@@ -53,10 +53,14 @@ type RelayConfig struct {
 	// of a batch gets through, never counts.
 	MaxAttempts int
 	// PollInterval is the fallback when no NOTIFY arrives (default 1s); a
-	// commit normally wakes the relay at once.
+	// commit normally wakes the relay at once. A standby also checks the
+	// lease at least this often, so it takes over within PollInterval of
+	// a leader's clean shutdown (which releases the lease).
 	PollInterval time.Duration
 	// MaxBackoff caps the jittered exponential backoff after a broker-wide
-	// outage or a database error (default 30s).
+	// outage or a database error (default 30s). A leader that sees no
+	// record acked for two whole leases hands the lease over (another relay
+	// may reach the broker) and pauses a Lease before contending again.
 	MaxBackoff time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
@@ -174,7 +178,17 @@ func (r *Relay) Run(ctx context.Context) error {
 			return nil
 		}
 		log.Warn("relay stepped down; standing by", "err", stepDown)
-		if err := sleepCtx(ctx, bo.next(r.cfg.PollInterval, r.cfg.MaxBackoff)); err != nil {
+		wait := bo.next(r.cfg.PollInterval, r.cfg.MaxBackoff)
+		if errors.Is(stepDown, errBrokerUnreachable) {
+			// Hand the lease to a standby that may reach the broker (this
+			// relay may be the only one partitioned from it), and give it a
+			// whole Lease to take it before contending again. If no other
+			// relay takes it, this one leads again after that pause, during
+			// an outage in which nothing could be published anyway.
+			r.release(t, log)
+			wait = r.cfg.Lease
+		}
+		if err := sleepCtx(ctx, wait); err != nil {
 			return nil
 		}
 	}
@@ -216,6 +230,14 @@ func (t *term) end(cause error) {
 
 var errLeaseLost = errors.New("relay lease lost")
 
+// errBrokerUnreachable ends a term after no record was acked for
+// outageHandover leases: another relay may reach the broker.
+var errBrokerUnreachable = errors.New("the broker has not acked a record")
+
+// outageHandover is how many leases of unbroken broker outage a leader
+// waits out before it hands the lease over.
+const outageHandover = 2
+
 // acquire stands by until this relay holds the lease, and returns its term
 // with the renewer (and the LISTEN connection) running. It returns an error
 // only when ctx is cancelled.
@@ -246,10 +268,13 @@ func (r *Relay) acquire(ctx context.Context, holder string, log *slog.Logger) (*
 				log.Info("relay standing by: another relay holds the lease", "expires_in", remaining)
 				standing = true
 			}
-			// Wake just after the lease would expire if it is not renewed:
-			// a standby takes over at most Lease (plus one round trip)
-			// after the leader's last renewal.
-			wait = min(remaining+10*time.Millisecond, r.cfg.Lease)
+			// Wake just after the lease would expire if it is not renewed
+			// (a standby takes over at most Lease, plus one round trip,
+			// after the leader's last renewal), and at least every
+			// PollInterval: a leader stopping cleanly releases the lease,
+			// and a standby asleep until the expiry would leave the outbox
+			// unpublished for up to a whole Lease.
+			wait = min(remaining+10*time.Millisecond, r.cfg.PollInterval, r.cfg.Lease)
 		}
 		if err := sleepCtx(ctx, wait); err != nil {
 			return nil, err
@@ -378,6 +403,7 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 	}
 
 	var outage backoff
+	var outageSince time.Time // start of the current unbroken outage
 	lastReap := time.Now()
 	for ctx.Err() == nil {
 		if !t.valid() {
@@ -401,8 +427,25 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 			wait = outage.next(100*time.Millisecond, r.cfg.MaxBackoff)
 			log.Warn("broker outage: no record of the batch was acked; backing off",
 				"rows", res.claimed, "first_error", res.firstErr, "retry_in", wait)
+			if outageSince.IsZero() {
+				outageSince = time.Now()
+			}
+			if d := time.Since(outageSince); d >= outageHandover*r.cfg.Lease {
+				// Maybe only this relay is cut off from the broker: a standby
+				// with a working path would publish while it backs off.
+				return fmt.Errorf("%w for %v (last error: %s); handing the lease over", errBrokerUnreachable, d.Round(time.Millisecond), res.firstErr)
+			}
+		case res.noneAcked:
+			// Every row was rejected (e.g. its topic does not exist): charged
+			// to the rows, which park after MaxAttempts, but not retried in a
+			// tight loop meanwhile.
+			wait = outage.next(100*time.Millisecond, r.cfg.MaxBackoff)
+			outageSince = time.Time{} // the broker answered
 		default:
 			outage.reset()
+			if res.claimed > 0 {
+				outageSince = time.Time{}
+			}
 		}
 		r.tel.RelayBackoff(ctx, wait)
 		if time.Since(lastReap) > r.cfg.Lease {
@@ -447,10 +490,14 @@ type batchResult struct {
 	claimed int
 	// published, failed and parked count rows whose outcome was recorded.
 	published, failed, parked int
-	outage                    bool   // no row acked, and some failed with a retriable error
-	firstErr                  string // for the log
-	err                       error  // the claim failed: back off and retry
-	stepDown                  error  // the term must end
+	outage                    bool // no row acked, and some failed with a retriable error
+	// noneAcked: no row acked and some went back to PENDING; back off
+	// before the next claim even if they were all rejections (which count
+	// toward parking), rather than claim the same rows again at once.
+	noneAcked bool
+	firstErr  string // for the log
+	err       error  // the claim failed: back off and retry
+	stepDown  error  // the term must end
 }
 
 // relayBatch claims one batch, publishes it and records the outcome. Once
@@ -470,13 +517,26 @@ func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) b
 	if len(rows) == 0 {
 		return batchResult{}
 	}
+	if h := relayhook.AfterClaim; h != nil {
+		h()
+	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
 	msgs := make([]Message, len(rows))
+	// Rows whose headers cannot be sent as meant are not published: they
+	// park (a permanent error) with last_error saying why, instead of going
+	// out with their headers silently dropped.
+	malformed := make([]error, len(rows))
+	var send []Message
 	for i, row := range rows {
-		headers := map[string]string{}
-		_ = json.Unmarshal(row.Headers, &headers)
+		headers, err := decodeHeaders(row.Headers)
+		if err != nil {
+			malformed[i] = Permanent(fmt.Errorf("outbox row %d: %w", row.ID, err))
+		}
 		headers[EventIDHeader] = row.EventID
 		msgs[i] = Message{ID: row.ID, EventID: row.EventID, Topic: row.Topic, Key: row.RecordKey, Value: row.Payload, Headers: headers}
+		if err == nil {
+			send = append(send, msgs[i])
+		}
 	}
 
 	// Check the lease again right before producing: a leader frozen between
@@ -488,25 +548,35 @@ func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) b
 	if !t.valid() {
 		return batchResult{claimed: len(rows), stepDown: leaseCause(t)}
 	}
-	// spanCtx is t.ctx carrying the batch's span, so a traced Publisher's
-	// spans (franz-go's kotel hooks) are its children.
-	pctx, cancel := context.WithTimeout(spanCtx, r.cfg.PublishTimeout)
-	errs := r.pub.Publish(pctx, msgs)
-	cancel()
-	if len(errs) != len(msgs) {
+	var sent []error
+	if len(send) > 0 {
+		// spanCtx is t.ctx carrying the batch's span, so a traced
+		// Publisher's spans (franz-go's kotel hooks) are its children.
+		pctx, cancel := context.WithTimeout(spanCtx, r.cfg.PublishTimeout)
+		sent = r.pub.Publish(pctx, send)
+		cancel()
+	}
+	if len(sent) != len(send) {
 		// A Publisher that breaks its contract cannot tell us what was acked:
 		// count nothing as published (the rows go out again, and consumers
 		// dedupe) rather than guess.
-		err := fmt.Errorf("publisher returned %d results for %d messages", len(errs), len(msgs))
-		errs = make([]error, len(msgs))
-		for i := range errs {
-			errs[i] = err
+		err := fmt.Errorf("publisher returned %d results for %d messages", len(sent), len(send))
+		sent = make([]error, len(send))
+		for i := range sent {
+			sent[i] = err
+		}
+	}
+	errs := malformed
+	for i, j := 0, 0; i < len(errs); i++ {
+		if errs[i] == nil {
+			errs[i] = sent[j]
+			j++
 		}
 	}
 	crash.Point(t.ctx, "relay.after-publish")
 
 	out := outcome(msgs, errs)
-	res := batchResult{claimed: len(rows), outage: out.outage, firstErr: out.firstErr}
+	res := batchResult{claimed: len(rows), outage: out.outage, noneAcked: out.noneAcked, firstErr: out.firstErr}
 	published, failed := len(out.acked), len(out.failed)
 	if err := r.recordUntilDone(t, &out, log); err != nil {
 		res.stepDown = err
@@ -514,6 +584,30 @@ func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) b
 	}
 	res.published, res.failed, res.parked = published, failed-out.parked, out.parked
 	return res
+}
+
+// decodeHeaders returns an outbox row's headers (a JSON object) as record
+// headers: string values as they are, any other value as its JSON text.
+// Enqueue writes {}; other writers may put anything jsonb holds there, and
+// none of it may be dropped silently. The map is never nil.
+func decodeHeaders(raw []byte) (map[string]string, error) {
+	headers := map[string]string{}
+	if len(raw) == 0 {
+		return headers, nil
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &obj); err != nil {
+		return headers, fmt.Errorf("headers are not a JSON object: %w", err)
+	}
+	for k, v := range obj {
+		var s string
+		if json.Unmarshal(v, &s) == nil {
+			headers[k] = s
+		} else {
+			headers[k] = string(v)
+		}
+	}
+	return headers, nil
 }
 
 // batchOutcome is what one publish did, ready for the marks.
@@ -525,6 +619,7 @@ type batchOutcome struct {
 	counted   []bool
 	parked    int // set once the failures are recorded
 	outage    bool
+	noneAcked bool // no row acked, and some went back to PENDING (an outage, or rejections)
 	firstErr  string
 }
 
@@ -538,25 +633,41 @@ func outcome(msgs []Message, errs []error) batchOutcome {
 			o.acked = append(o.acked, m.ID)
 		}
 	}
-	retriable := 0
+	unreachable := 0
 	for i, m := range msgs {
 		if errs[i] == nil {
 			continue
 		}
 		perm := IsPermanent(errs[i])
-		if !perm {
-			retriable++
+		// A rejection is the broker's answer about this row (its topic does
+		// not exist): the row's own failure even if nothing got through.
+		rejected := !perm && IsRejected(errs[i])
+		if !perm && !rejected {
+			unreachable++
 		}
 		o.failed = append(o.failed, m.ID)
 		o.reasons = append(o.reasons, relayErrorText(errs[i]))
 		o.permanent = append(o.permanent, perm)
-		o.counted = append(o.counted, !perm && len(o.acked) > 0)
+		o.counted = append(o.counted, !perm && (rejected || len(o.acked) > 0))
 		if o.firstErr == "" {
 			o.firstErr = o.reasons[len(o.reasons)-1]
 		}
 	}
-	o.outage = len(o.acked) == 0 && retriable > 0
+	o.outage = len(o.acked) == 0 && unreachable > 0
+	// Rows that go back to PENDING with nothing acked would be claimed
+	// again at once: back off. (Rows parked as permanent are out of the
+	// way; the next claim gets others, so no backoff for those.)
+	o.noneAcked = len(o.acked) == 0 && len(o.failed) > countTrue(o.permanent)
 	return o
+}
+
+func countTrue(permanent []bool) (n int) {
+	for _, p := range permanent {
+		if p {
+			n++
+		}
+	}
+	return n
 }
 
 // recordUntilDone records a batch's outcome, retrying with backoff (each try

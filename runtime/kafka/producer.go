@@ -93,8 +93,8 @@ func (p *Publisher) Publish(ctx context.Context, msgs []idem.Message) []error {
 		// request holding it was sent); otherwise it stays in flight, and a
 		// later Publish of the same event waits for it (see inflight).
 		p.Client.Produce(ctx, rec, func(_ *kgo.Record, err error) {
-			if err != nil && isPermanent(err) {
-				err = idem.Permanent(err)
+			if err != nil {
+				err = classify(rec.Topic, err)
 			}
 			p.mu.Lock()
 			if id != "" && p.inflight[id] == f {
@@ -126,6 +126,26 @@ func (p *Publisher) Publish(ctx context.Context, msgs []idem.Message) []error {
 		p.Client.PurgeTopicsFromProducing(recreated...)
 	}
 	return errs
+}
+
+// classify names the topic in err (franz-go's errors do not, and an
+// operator reading last_error or the log must see which topic fails) and
+// marks errors that retrying cannot fix as permanent, and the broker's
+// refusal of this record's topic as rejected.
+func classify(topic string, err error) error {
+	err = fmt.Errorf("produce to topic %q: %w", topic, err)
+	switch {
+	case isPermanent(err):
+		return idem.Permanent(err)
+	case errors.Is(err, kerr.UnknownTopicOrPartition):
+		// franz-go fails a record with this only after the brokers said,
+		// in several metadata answers (UnknownTopicRetries), that the
+		// topic does not exist: the broker is up and refuses this topic.
+		// Not an outage: it counts toward the row's attempts, so these
+		// rows park instead of holding back every other topic forever.
+		return idem.Rejected(err)
+	}
+	return err
 }
 
 // isPermanent reports errors that retrying the same record cannot fix. A

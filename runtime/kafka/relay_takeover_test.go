@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/relayhook"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -32,9 +33,25 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
+// taggingPublisher adds the header relay-proc: tag to every message, so a
+// test reading the topic knows which relay process produced each record.
+type taggingPublisher struct {
+	tag   string
+	inner idem.Publisher
+}
+
+func (p taggingPublisher) Publish(ctx context.Context, msgs []idem.Message) []error {
+	for i := range msgs {
+		msgs[i].Headers["relay-proc"] = p.tag
+	}
+	return p.inner.Publish(ctx, msgs)
+}
+
 // relayChild runs one relay on IDEM_DB_URL and IDEM_BROKERS with lease
 // IDEM_LEASE until SIGTERM. It prints LEADING when it becomes the leader;
-// its log goes to stderr.
+// its log goes to stderr. With IDEM_TAG its records carry the header
+// relay-proc: IDEM_TAG; with IDEM_STOP_AFTER_CLAIM=1 it SIGSTOPs itself
+// right after its first non-empty claim.
 func relayChild() int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -55,7 +72,28 @@ func relayChild() int {
 		return 2
 	}
 	defer pub.Close()
-	r, err := idem.NewRelay(idem.NewStore(pool), pub, idem.RelayConfig{
+	var publish idem.Publisher = pub
+	if tag := os.Getenv("IDEM_TAG"); tag != "" {
+		publish = taggingPublisher{tag: tag, inner: pub}
+	}
+	if os.Getenv("IDEM_STOP_AFTER_CLAIM") == "1" {
+		var once sync.Once
+		relayhook.AfterClaim = func() {
+			once.Do(func() {
+				// SIGSTOP to oneself takes effect asynchronously (another
+				// thread may take the stop first), so wait for the SIGCONT:
+				// nothing runs past this point before the process was
+				// really stopped and continued.
+				cont := make(chan os.Signal, 1)
+				signal.Notify(cont, syscall.SIGCONT)
+				fmt.Println("CLAIMED; stopping myself")
+				_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+				<-cont
+				signal.Stop(cont)
+			})
+		}
+	}
+	r, err := idem.NewRelay(idem.NewStore(pool), publish, idem.RelayConfig{
 		Lease: lease, PollInterval: 50 * time.Millisecond, BatchSize: 50,
 		Logger:   slog.New(slog.NewTextHandler(os.Stderr, nil)),
 		OnLeader: func() { fmt.Println("LEADING") },
@@ -80,13 +118,14 @@ type relayProc struct {
 	seen *sync.Cond
 }
 
-func startRelayProc(t *testing.T, name, dbURL string, brokers []string, lease time.Duration) *relayProc {
+func startRelayProc(t *testing.T, name, dbURL string, brokers []string, lease time.Duration, env ...string) *relayProc {
 	t.Helper()
 	p := &relayProc{name: name}
 	p.seen = sync.NewCond(&p.mu)
 	p.cmd = exec.Command(os.Args[0], "-test.run=^$")
 	p.cmd.Env = append(os.Environ(), "IDEM_RELAY_CHILD=1", "IDEM_DB_URL="+dbURL,
 		"IDEM_BROKERS="+strings.Join(brokers, ","), "IDEM_LEASE="+lease.String())
+	p.cmd.Env = append(p.cmd.Env, env...)
 	r, w := io.Pipe()
 	p.cmd.Stdout, p.cmd.Stderr = w, w
 	if err := p.cmd.Start(); err != nil {

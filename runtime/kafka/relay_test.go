@@ -613,14 +613,20 @@ func TestCleanShutdownHandsOverAtOnce(t *testing.T) {
 	addrs := cluster(t, 1, "events")
 	pool := db(t)
 	led := make(chan string, 2)
+	secondLog := newLogSink()
 	cfg := func(name string) idem.RelayConfig {
-		return idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: time.Minute, OnLeader: func() { led <- name }}
+		return idem.RelayConfig{PollInterval: 20 * time.Millisecond, Lease: time.Minute, OnLeader: func() { led <- name },
+			Logger: slog.New(secondLog)}
 	}
 	stopFirst := startRelay(t, newRelay(t, pool, publisher(t, addrs), cfg("first")))
 	if who := <-led; who != "first" {
 		t.Fatalf("%s led first", who)
 	}
 	startRelay(t, newRelay(t, pool, publisher(t, addrs), cfg("second")))
+	// The second must already be standing by (it saw the first's live
+	// lease), or it would simply find the lease released when it first
+	// looks, and the test would pass without any hand-over.
+	waitUntil(t, "the second relay to stand by", func() bool { return secondLog.has("standing by") })
 	stopFirst()
 	select {
 	case who := <-led:

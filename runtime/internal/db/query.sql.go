@@ -104,15 +104,10 @@ func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (Admin
 const ClaimKey = `-- name: ClaimKey :execrows
 INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
 SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
-WHERE pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint)
-ON CONFLICT (scope, principal, key) DO UPDATE
-SET fingerprint = EXCLUDED.fingerprint,
-    status_code = 0,
-    headers     = '{}',
-    body        = '',
-    created_at  = now(),
-    expires_at  = EXCLUDED.expires_at
-WHERE idem_keys.expires_at <= now()
+WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3)
+           THEN false
+           ELSE pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) END
+ON CONFLICT (scope, principal, key) DO NOTHING
 `
 
 type ClaimKeyParams struct {
@@ -124,17 +119,20 @@ type ClaimKeyParams struct {
 	LockID      int64
 }
 
-// Claims (scope, principal, key) for this transaction. The transaction-scoped
-// advisory lock on @lock_id (a 64-bit hash of the key, see idem.Key) is the
-// in-flight marker: only its holder may insert or take over the row, so this
-// statement never waits on a concurrent claim of the same key. It returns 1
-// row when the key is new or its previous row has expired (the expired row is
-// taken over), 0 when the lock is held elsewhere (the key is in flight) or a
-// live row exists (GetKey tells which). Any wait here is on something else (a
-// table lock, a purge holding an expired row), bounded by lock_timeout.
-// Advisory locks are per database, not per schema: the lock id is XORed with
-// this idem_keys table's OID, so the same key in flight in another schema's
-// table (another tenant's or test's schema) is not taken for this one's.
+// Claims (scope, principal, key) for this transaction when the key has no
+// row: the transaction-scoped advisory lock on @lock_id (a 64-bit hash of the
+// key, see idem.Key) is the in-flight marker, and only its holder may insert
+// or take over the row, so this statement never waits on a concurrent claim
+// of the same key. A key that has a row (the common replay) is left alone:
+// no advisory lock, no row lock, no transaction id, no WAL, so a replay is a
+// read and replays of one key never serialise. CASE fixes the order: the
+// lock is tried only when the row is absent (the planner may reorder AND).
+// It returns 1 row when the key is new, 0 when the lock is held elsewhere
+// (the key is in flight) or a row exists (TakeOverExpiredKey and GetKey tell
+// which). Advisory locks are per database, not per schema: the lock id is
+// XORed with this idem_keys table's OID, so the same key in flight in another
+// schema's table (another tenant's or test's schema) is not taken for this
+// one's.
 func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, ClaimKey,
 		arg.Scope,
@@ -1353,6 +1351,48 @@ ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = now
 func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
 	_, err := q.db.Exec(ctx, SetSchemaVersion, digest)
 	return err
+}
+
+const TakeOverExpiredKey = `-- name: TakeOverExpiredKey :execrows
+UPDATE idem_keys
+SET fingerprint = $1,
+    status_code = 0,
+    headers     = '{}',
+    body        = '',
+    created_at  = now(),
+    expires_at  = now() + make_interval(secs => $2::float8)
+WHERE scope = $3 AND principal = $4 AND key = $5
+  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END
+`
+
+type TakeOverExpiredKeyParams struct {
+	Fingerprint []byte
+	TtlSeconds  float64
+	Scope       string
+	Principal   string
+	Key         string
+	LockID      int64
+}
+
+// Takes over the key's row when it has expired (after its TTL a key counts
+// as new), under the same advisory lock as ClaimKey; a live row is only read
+// (the CASE tries the lock for an expired row only, and a row that fails the
+// WHERE is neither locked nor written). 1 row: this transaction now runs the
+// key. Any wait here is on a row lock held by something else (a purge
+// deleting the expired row), bounded by lock_timeout.
+func (q *Queries) TakeOverExpiredKey(ctx context.Context, arg TakeOverExpiredKeyParams) (int64, error) {
+	result, err := q.db.Exec(ctx, TakeOverExpiredKey,
+		arg.Fingerprint,
+		arg.TtlSeconds,
+		arg.Scope,
+		arg.Principal,
+		arg.Key,
+		arg.LockID,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const TryJanitorLock = `-- name: TryJanitorLock :one

@@ -7,6 +7,7 @@ package dbx
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -61,17 +62,23 @@ func beginSQL(opts pgx.TxOptions) string {
 	return b.String()
 }
 
-// ClaimKeyRestore runs ClaimKey, GetKey and RestoreLockTimeout in one
-// pipelined round trip, inside a transaction begun with BoundedBegin, so that
-// the handler's own statements run with the session's lock_timeout again.
-// It reports whether ClaimKey inserted or took over the row, and otherwise
-// the row GetKey read (found false: there is none, so the key is in flight
+// ClaimKeyRestore runs ClaimKey, TakeOverExpiredKey, GetKey and
+// RestoreLockTimeout in one pipelined round trip, inside a transaction begun
+// with BoundedBegin, so that the handler's own statements run with the
+// session's lock_timeout again. It reports whether ClaimKey inserted the row
+// or TakeOverExpiredKey took an expired one over, and otherwise the row
+// GetKey read (found false: there is none, so the key is in flight
 // elsewhere) without another round trip: under read committed, GetKey's fresh
-// snapshot sees a row that made the claim conflict.
+// snapshot sees a row that made the claim conflict. For a live row (a
+// replay) none of these statements writes or locks anything.
 func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
 	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		claimed = ct.RowsAffected() == 1
+		claimed = claimed || ct.RowsAffected() == 1
+		return nil
+	})
+	b.Queue(db.TakeOverExpiredKey, arg.Fingerprint, arg.TtlSeconds, arg.Scope, arg.Principal, arg.Key, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
+		claimed = claimed || ct.RowsAffected() == 1
 		return nil
 	})
 	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
@@ -87,4 +94,48 @@ func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (cla
 		return false, false, db.GetKeyRow{}, err
 	}
 	return claimed, found, row, nil
+}
+
+// ErrCommit wraps the COMMIT's own failure in CompleteKeyCommit, so that the
+// caller can tell it from CompleteKey's.
+var ErrCommit = errors.New("commit")
+
+// CompleteKeyCommit runs CompleteKey and COMMIT in one pipelined round trip.
+// If CompleteKey fails the server skips the COMMIT (the pipeline stops at
+// the first error) and the transaction is left aborted, to be rolled back;
+// a COMMIT failure is returned wrapping ErrCommit. Either way the caller must
+// end tx as usual: after a successful call the connection is no longer in a
+// transaction (pgconn.PgConn.TxStatus is 'I') although tx does not know it,
+// and a rollback is then not to be sent (see the caller's endTx). A tx begun
+// with a custom CommitQuery is committed with tx.Commit instead.
+func CompleteKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.CompleteKeyParams) error {
+	if commitQuery != "" {
+		if _, err := db.New(tx).CompleteKey(ctx, arg); err != nil {
+			return err
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return fmt.Errorf("%w: %w", ErrCommit, err)
+		}
+		return nil
+	}
+	b := &pgx.Batch{}
+	b.Queue(db.CompleteKey, arg.StatusCode, arg.Headers, arg.Body, arg.Scope, arg.Principal, arg.Key)
+	b.Queue("commit") // as pgx's own Commit sends it (and beginSQL renders begin)
+	br := tx.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return err
+	}
+	ct, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: %w", ErrCommit, err)
+	case ct.String() == "ROLLBACK":
+		// The server rolled back instead (as pgx's own Commit reports it).
+		return fmt.Errorf("%w: %w", ErrCommit, pgx.ErrTxCommitRollback)
+	}
+	return nil
 }

@@ -7,3 +7,9 @@ package relayhook
 // before Run. It exists to measure what NOTIFY buys; there is no other reason
 // to turn it off.
 var DisableNotify func(relay any)
+
+// AfterClaim, if set, is called by a leading relay right after it claimed a
+// non-empty batch, before it checks its lease and produces. Tests set it
+// (before Run, in a child process) to freeze the process exactly there: the
+// window the lease check before producing exists for.
+var AfterClaim func()

@@ -1,0 +1,176 @@
+// Command idembench runs idemgen's side-by-side benchmarks and prints one
+// table of ratios, all measured in the same run. Run it from the module root:
+//
+//	go run ./cmd/idembench            # short mode, a few minutes
+//	go run ./cmd/idembench -long      # more rounds, and 1M rows of history
+//	go run ./cmd/idembench -only http,relay
+//
+// Each benchmark (go test -bench, one iteration) prints its rows as lines
+// starting with benchkit.Prefix; idembench collects them in order. What
+// each row measures, and what limits it, is in BENCHMARKS.md.
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemgen/idemgen/internal/benchkit"
+)
+
+// suite is one go test -bench invocation.
+type suite struct {
+	name, pkg, bench string
+}
+
+var suites = []suite{
+	{"http", "./runtime/idem", "^BenchmarkHTTPSideBySide$"},
+	{"consumer", "./runtime/kafka", "^BenchmarkConsumerSideBySide$"},
+	{"relay", "./runtime/kafka", "^BenchmarkRelaySideBySide$"},
+	{"storage", "./runtime/idem", "^BenchmarkOutboxAtScale$"},
+	{"generator", "./generator", "^BenchmarkGenerateVsVet$"},
+}
+
+func main() {
+	long := flag.Bool("long", false, "long mode: more rounds, and the figures at 1M rows of history")
+	only := flag.String("only", "", "comma-separated suites to run (http, consumer, relay, storage, generator); empty: all")
+	verbose := flag.Bool("v", false, "also print the benchmarks' own output")
+	flag.Parse()
+	if err := run(*long, *only, *verbose, os.Stdout); err != nil {
+		slog.Error("idembench failed", "err", err)
+		os.Exit(1)
+	}
+}
+
+func run(long bool, only string, verbose bool, out io.Writer) error {
+	want := map[string]bool{}
+	for _, s := range strings.Split(only, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			want[s] = true
+		}
+	}
+	var rows []benchkit.Row
+	start := time.Now()
+	for _, s := range suites {
+		if len(want) > 0 && !want[s.name] {
+			continue
+		}
+		if s.name == "storage" && !long && !want["storage"] {
+			continue // 1M rows of history: long mode only
+		}
+		fmt.Fprintf(os.Stderr, "idembench: %s (%s)...\n", s.name, s.pkg)
+		got, err := runSuite(s, long, verbose)
+		if err != nil {
+			return fmt.Errorf("suite %s: %w", s.name, err)
+		}
+		rows = append(rows, got...)
+	}
+	mode := "short"
+	if long {
+		mode = "long"
+	}
+	fmt.Fprintf(out, "idembench, %s mode, %s, %s\n\n", mode, time.Now().UTC().Format(time.DateTime+" UTC"), time.Since(start).Round(time.Second))
+	tw := tabwriter.NewWriter(out, 0, 0, 1, ' ', tabwriter.Debug)
+	fmt.Fprintln(tw, " Section\t Measurement\t Value\t Unit\t Target\t Detail")
+	fmt.Fprintln(tw, " ---\t ---\t ---\t ---\t ---\t ---")
+	for _, r := range rows {
+		fmt.Fprintf(tw, " %s\t %s\t %s\t %s\t %s\t %s\n", r.Section, r.Name, format(r.Value), r.Unit, r.Target, r.Detail)
+	}
+	return tw.Flush()
+}
+
+func format(v float64) string {
+	switch {
+	case v >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10:
+		return fmt.Sprintf("%.1f", v)
+	}
+	return fmt.Sprintf("%.2f", v)
+}
+
+// runSuite runs one benchmark for one iteration (its rounds are inside) and
+// returns the rows it printed.
+func runSuite(s suite, long, verbose bool) ([]benchkit.Row, error) {
+	cmd := exec.Command("go", "test", "-count=1", "-run", "^$", "-bench", s.bench, "-benchtime", "1x", "-timeout", "60m", s.pkg)
+	cmd.Env = os.Environ()
+	if long {
+		cmd.Env = append(cmd.Env, "IDEMBENCH_LONG=1")
+	}
+	cmd.Stderr = os.Stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	var rows, metrics []benchkit.Row
+	var tail []string // the output, for the error message
+	sc := bufio.NewScanner(stdout)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if verbose {
+			fmt.Fprintln(os.Stderr, line)
+		}
+		if j, ok := strings.CutPrefix(line, benchkit.Prefix); ok {
+			var r benchkit.Row
+			if err := json.Unmarshal([]byte(j), &r); err != nil {
+				return nil, fmt.Errorf("bad row %q: %w", line, err)
+			}
+			rows = append(rows, r)
+			continue
+		}
+		if strings.HasPrefix(line, "Benchmark") {
+			metrics = append(metrics, parseMetrics(s.name, line)...)
+		}
+		if tail = append(tail, line); len(tail) > 40 {
+			tail = tail[1:]
+		}
+	}
+	if err := cmd.Wait(); err != nil {
+		return nil, fmt.Errorf("%w\n%s", err, strings.Join(tail, "\n"))
+	}
+	if len(rows) == 0 {
+		rows = metrics // a benchmark that only reports metrics (the generator's)
+	}
+	if len(rows) == 0 {
+		return nil, fmt.Errorf("no rows printed\n%s", strings.Join(tail, "\n"))
+	}
+	return rows, nil
+}
+
+// targets are the issue's targets for metrics of benchmarks that report
+// only testing.B metrics.
+var targets = map[string]string{"gen/vet": "≤ 0.7", "check/vet": "≤ 0.7"}
+
+// parseMetrics turns a benchmark result line ("BenchmarkX-2 1 123 ns/op
+// 3.1 gen/vet ...") into rows, one per custom metric.
+func parseMetrics(section, line string) []benchkit.Row {
+	f := strings.Fields(line)
+	var rows []benchkit.Row
+	for i := 2; i+1 < len(f); i += 2 {
+		var v float64
+		if _, err := fmt.Sscan(f[i], &v); err != nil || f[i+1] == "ns/op" {
+			continue
+		}
+		unit, name := f[i+1], f[i+1]
+		switch {
+		case strings.Contains(unit, "/"):
+			unit = "ratio"
+		case strings.HasSuffix(unit, "-s"):
+			unit = "s"
+		}
+		rows = append(rows, benchkit.Row{Section: section, Name: name, Value: v, Unit: unit, Target: targets[name]})
+	}
+	return rows
+}
