@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -28,7 +29,28 @@ import (
 // answer is a distinct committed effect, and every replay is byte for byte
 // one of the executed answers.
 func TestTinyTTLStormOneRunPerGeneration(t *testing.T) {
+	t.Parallel()
+	for _, iso := range []pgx.TxIsoLevel{"", pgx.RepeatableRead, pgx.Serializable} {
+		t.Run("iso="+string(iso), func(t *testing.T) { storm(t, iso, 50*time.Millisecond) })
+	}
+}
+
+// Issue 11 review: the same storm on a key with a long TTL (a replay racing
+// with the first request's COMMIT, from both replicas and with a second,
+// different request on the key): one run, every 201 the same body, the
+// other request 422.
+func TestNewKeyStormOneRun(t *testing.T) {
+	t.Parallel()
+	for _, iso := range []pgx.TxIsoLevel{"", pgx.RepeatableRead, pgx.Serializable} {
+		t.Run("iso="+string(iso), func(t *testing.T) { storm(t, iso, time.Hour) })
+	}
+}
+
+const bodyOther = `{"order":"o-other","amount":5}`
+
+func storm(t *testing.T, iso pgx.TxIsoLevel, ttl time.Duration) {
 	e := newEnv(t)
+	e.cfg.TxOptions = pgx.TxOptions{IsoLevel: iso}
 	var running, overlap atomic.Int32
 	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
 		if running.Add(1) > 1 {
@@ -38,32 +60,36 @@ func TestTinyTTLStormOneRunPerGeneration(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 		return nil
 	}
-	ep := idem.Endpoint{TTL: 50 * time.Millisecond, Wait: 5 * time.Second}
+	ep := idem.Endpoint{TTL: ttl, Wait: 5 * time.Second}
 	pool2, err := pgxpool.NewWithConfig(context.Background(), e.pool.Config().Copy())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pool2.Close()
-	e2 := &env{t: t, pool: pool2, hook: e.hook}
+	e2 := &env{t: t, pool: pool2, hook: e.hook, cfg: e.cfg}
 	srv1 := httptest.NewServer(e.handler(ep))
 	defer srv1.Close()
 	srv2 := httptest.NewServer(e2.handler(ep))
 	defer srv2.Close()
 
 	var mu sync.Mutex
-	executed := map[string]bool{}
-	var replayed []string
+	executed := map[string]string{} // answer -> request body
+	type replay struct{ req, answer string }
+	var replayed []replay
 	statuses := map[int]int{}
-	deadline := time.Now().Add(2 * time.Second)
+	deadline := time.Now().Add(1500 * time.Millisecond)
 	var wg sync.WaitGroup
 	for g := range 12 {
 		wg.Go(func() {
-			url := srv1.URL
+			url, body := srv1.URL, body1
 			if g%2 == 1 {
 				url = srv2.URL
 			}
+			if g%4 == 3 {
+				body = bodyOther
+			}
 			for time.Now().Before(deadline) {
-				req, _ := http.NewRequest(http.MethodPost, url+"/charges", strings.NewReader(body1))
+				req, _ := http.NewRequest(http.MethodPost, url+"/charges", strings.NewReader(body))
 				req.Header.Set("Idempotency-Key", "k-storm")
 				req.Header.Set("Content-Type", "application/json")
 				resp, err := http.DefaultClient.Do(req)
@@ -77,36 +103,36 @@ func TestTinyTTLStormOneRunPerGeneration(t *testing.T) {
 				statuses[resp.StatusCode]++
 				if resp.StatusCode == http.StatusCreated {
 					if resp.Header.Get("Idempotent-Replayed") == "true" {
-						replayed = append(replayed, string(b))
+						replayed = append(replayed, replay{body, string(b)})
 					} else {
-						if executed[string(b)] {
+						if _, dup := executed[string(b)]; dup {
 							t.Errorf("two executions answered the same body %s", b)
 						}
-						executed[string(b)] = true
+						executed[string(b)] = body
 					}
+				} else if resp.StatusCode != http.StatusUnprocessableEntity && resp.StatusCode != http.StatusConflict {
+					t.Errorf("answered %d %s", resp.StatusCode, b)
 				}
 				mu.Unlock()
 			}
 		})
 	}
 	wg.Wait()
-	t.Logf("statuses %v, executed %d, replayed %d, calls %d", statuses, len(executed), len(replayed), e.calls.Load()+e2.calls.Load())
+	calls := e.calls.Load() + e2.calls.Load()
+	t.Logf("statuses %v, executed %d, replayed %d, calls %d", statuses, len(executed), len(replayed), calls)
 	if n := overlap.Load(); n != 0 {
 		t.Fatalf("the function ran %d times while another run of the same key was in progress", n)
 	}
-	for s := range statuses {
-		if s != http.StatusCreated && s != http.StatusConflict {
-			t.Errorf("status %d answered (%d times)", s, statuses[s])
-		}
-	}
 	for _, r := range replayed {
-		if !executed[r] {
-			t.Errorf("a replay answered %s, which no execution answered", r)
+		if req, ok := executed[r.answer]; !ok || req != r.req {
+			t.Errorf("a replay of %s answered %s, which no execution of that request answered", r.req, r.answer)
 		}
 	}
-	calls := e.calls.Load() + e2.calls.Load()
 	if eff := e.effects(); calls != eff || eff != int64(len(executed)) {
 		t.Fatalf("%d calls, %d effects, %d executed answers: want all equal", calls, eff, len(executed))
+	}
+	if ttl >= time.Minute && len(executed) != 1 {
+		t.Fatalf("a live key ran %d times", len(executed))
 	}
 }
 
@@ -296,4 +322,81 @@ func TestNetworkDownDuringPipelinedCommitAnswersOutcomeUnknown(t *testing.T) {
 	if e.calls.Load() != 1 || check.effects() != 1 {
 		t.Fatalf("%d calls, %d effects, want 1, 1", e.calls.Load(), check.effects())
 	}
+}
+
+// Issue 11 review: an outbox whose event_id default is still the random
+// gen_random_uuid (the first release's schema) is upgraded by 4 processes
+// migrating at once while 4 writers keep inserting outbox rows in short
+// transactions. Every process finishes, no insert fails, the default is
+// now idem_uuid_v7, and every event id written around the upgrade is
+// distinct.
+func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
+	t.Parallel()
+	old, err := os.ReadFile("testdata/schema-817b008.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dbURL := pgtest.Schema(t)
+	pool, err := pgxpool.New(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	pgtest.Exec(t, pool, string(old))
+
+	stop := make(chan struct{})
+	var inserted atomic.Int64
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				// Default columns only: the old schema's and the new one's
+				// outbox both take this row.
+				if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x00')`); err != nil {
+					t.Errorf("outbox insert during the upgrade: %v", err)
+					return
+				}
+				inserted.Add(1)
+			}
+		})
+	}
+	time.Sleep(100 * time.Millisecond)
+	const n = 4
+	children := make([]*childProc, n)
+	for i := range children {
+		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
+	}
+	for i, c := range children {
+		select {
+		case <-c.exited:
+			if c.err != nil {
+				t.Errorf("migrating process %d: %v", i, c.err)
+			}
+		case <-time.After(60 * time.Second):
+			t.Errorf("migrating process %d still running after 60s", i)
+		}
+	}
+	time.Sleep(100 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+		WHERE d.adrelid = 'idem_outbox'::regclass AND a.attname = 'event_id' AND pg_get_expr(d.adbin, d.adrelid) = '(idem_uuid_v7())::text'`); n != 1 {
+		t.Fatal("event_id default not switched to idem_uuid_v7")
+	}
+	rows := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox`)
+	if distinct := pgtest.Count(t, pool, `SELECT count(DISTINCT event_id) FROM idem_outbox`); distinct != rows || rows != inserted.Load() {
+		t.Fatalf("%d rows, %d distinct event ids, %d inserts", rows, distinct, inserted.Load())
+	}
+	if v7 := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE substr(event_id, 15, 1) = '7'`); v7 == 0 {
+		t.Fatal("no insert after the upgrade got a UUIDv7")
+	}
+	t.Logf("%d inserts, %d with UUIDv7", rows, pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE substr(event_id, 15, 1) = '7'`))
 }
