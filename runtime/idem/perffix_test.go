@@ -297,10 +297,22 @@ func TestNetworkDownDuringPipelinedCommitAnswersOutcomeUnknown(t *testing.T) {
 	e := &env{t: t, pool: pool, cfg: idem.HTTPConfig{NoConnCheck: true}}
 	check := &env{t: t, pool: direct}
 	slowCommit(t, check)
-	e.hook = func(context.Context, pgx.Tx, chargeReq) error {
-		time.AfterFunc(300*time.Millisecond, func() {
-			proxy.Down() // a cancel request cannot get through either
-		}) // during the 1s COMMIT
+	e.hook = func(_ context.Context, tx pgx.Tx, _ chargeReq) error {
+		pid := tx.Conn().PgConn().PID()
+		go func() {
+			// Once the backend runs the COMMIT (sleeping in the deferred
+			// trigger), the network goes down; a cancel request cannot get
+			// through either.
+			for range 500 {
+				var running bool
+				_ = direct.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active' AND query = 'commit')`, pid).Scan(&running)
+				if running {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			proxy.Down()
+		}()
 		return nil
 	}
 	h := e.handler(idem.Endpoint{Wait: 5 * time.Second})
@@ -399,4 +411,53 @@ func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
 		t.Fatal("no insert after the upgrade got a UUIDv7")
 	}
 	t.Logf("%d inserts, %d with UUIDv7", rows, pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE substr(event_id, 15, 1) = '7'`))
+}
+
+// Issue 11 review: replays while the pool is exhausted. With one pooled
+// connection held by another transaction, a replay waits for it at most
+// Wait and answers 503 (never a half answer, never a run); once it is
+// free, 40 concurrent replays of 20 keys (each replay ends its empty
+// transaction after answering, in the background, before its connection
+// returns to the pool) all get their stored responses, with no run.
+func TestReplayWhilePoolExhausted(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
+	e := &env{t: t, pool: pool}
+	h := e.handler(idem.Endpoint{Wait: 10 * time.Second})
+	want := map[string]string{}
+	for i := range 20 {
+		k := "k-pool-" + string(rune('a'+i))
+		r := do(h, k, body1)
+		if r.status != http.StatusCreated {
+			t.Fatalf("first %s: %d %s", k, r.status, r.body)
+		}
+		want[k] = string(r.body)
+	}
+	hold, err := pool.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	short := e.handler(idem.Endpoint{Wait: 200 * time.Millisecond})
+	if r := do(short, "k-pool-a", body1); r.status != http.StatusServiceUnavailable {
+		t.Fatalf("replay with no connection free: %d %s, want 503", r.status, r.body)
+	}
+	hold.Release()
+	var wg sync.WaitGroup
+	for i := range 40 {
+		wg.Go(func() {
+			k := "k-pool-" + string(rune('a'+i%20))
+			r := do(h, k, body1)
+			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" || string(r.body) != want[k] {
+				t.Errorf("replay %s: %d %s, want the stored %s", k, r.status, r.body, want[k])
+			}
+		})
+	}
+	wg.Wait()
+	if e.calls.Load() != 20 || e.effects() != 20 {
+		t.Fatalf("%d calls, %d effects, want 20", e.calls.Load(), e.effects())
+	}
 }
