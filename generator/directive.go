@@ -68,6 +68,7 @@ var kinds = map[string]kindSpec{
 			"scope":  validNonEmpty,
 			"wait":   validNonNegativeDuration,
 			"key":    oneOf("required", "optional"),
+			"ignore": validIgnore,
 		},
 		shape: "func(ctx context.Context, tx pgx.Tx, req Req) (Resp, error)",
 	},

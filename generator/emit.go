@@ -196,6 +196,9 @@ func (e *emitter) httpHandler(h *httpFunc) {
 	}
 	e.f.Line()
 	e.f.Commentf("%s %s with %s, once per idempotency key.", h.handlerName(), serves, e.describe(&h.wrapped))
+	for _, line := range h.bindingDoc() {
+		e.f.Comment(line)
+	}
 
 	field := func(name string, value jen.Code) jen.Code { return jen.Id(name).Op(":").Add(value) }
 	fields := []jen.Code{field("Scope", jen.Lit(h.scope))}

@@ -82,6 +82,13 @@ type httpFunc struct {
 	header      string
 	wait        *time.Duration
 	keyOptional bool
+
+	// bindings are the request's fields bound from the path, query or
+	// headers; ignored lists the route's wildcards left deliberately unread
+	// (ignore=). Both only document the handler: the runtime reads the
+	// tags itself.
+	bindings []binding
+	ignored  []string
 }
 
 // handlerName is the generated constructor's name for f.
@@ -507,10 +514,14 @@ func checkHTTP(pkg *packages.Package, w wrapped, sig *types.Signature, d *Direct
 		}
 	}
 	f.scope, f.scopePos = f.qualifiedName(pkg.PkgPath), w.pos
+	var ignore *Option
+	routePos := w.pos
 	for _, o := range d.Options {
 		switch o.Name {
 		case "route":
-			f.route = o.Value
+			f.route, routePos = o.Value, o.Pos
+		case "ignore":
+			ignore = &o
 		case "status":
 			f.status, _ = strconv.Atoi(o.Value)
 		case "ttl":
@@ -526,6 +537,7 @@ func checkHTTP(pkg *packages.Package, w wrapped, sig *types.Signature, d *Direct
 			f.keyOptional = o.Value == "optional"
 		}
 	}
+	checkBindings(pkg, f, ignore, routePos, errs)
 	m.https = append(m.https, f)
 	w.group.https = append(w.group.https, f)
 }

@@ -16,10 +16,22 @@ import (
 // The functions idemgen wrapped, with the shapes it generated code for. If one
 // changes, this file stops compiling here: run idemgen again.
 var (
-	_ func(*PaymentService, context.Context, pgx.Tx, ChargeRequest) (PaymentReceipt, error) = (*PaymentService).Charge
-	_ func(*Billing, context.Context, pgx.Tx, OrderConfirmed) error                         = (*Billing).HandleOrderConfirmed
-	_ func(*Notifications, context.Context, pgx.Tx, PaymentCharged) error                   = (*Notifications).SendReceipt
+	_ func(*PaymentService, context.Context, pgx.Tx, OrderChargesRequest) (OrderCharges, error) = (*PaymentService).Charges
+	_ func(*PaymentService, context.Context, pgx.Tx, ChargeRequest) (PaymentReceipt, error)     = (*PaymentService).Charge
+	_ func(*Billing, context.Context, pgx.Tx, OrderConfirmed) error                             = (*Billing).HandleOrderConfirmed
+	_ func(*Notifications, context.Context, pgx.Tx, PaymentCharged) error                       = (*Notifications).SendReceipt
 )
+
+// ChargesHandler serves GET /orders/{order}/charges with (*PaymentService).Charges, once per idempotency key.
+// idem.Handle binds these request fields (any other field is read from the JSON body):
+//   - OrderID from path {order}
+func (s *PaymentService) ChargesHandler(h *idem.HTTP) http.Handler {
+	return idem.Handle(h, idem.Endpoint{
+		Scope:       "github.com/idemgen/idemgen/examples/payments.(*PaymentService).Charges",
+		Route:       "GET /orders/{order}/charges",
+		KeyOptional: true,
+	}, s.Charges)
+}
 
 // ChargeHandler serves POST /payments with (*PaymentService).Charge, once per idempotency key.
 func (s *PaymentService) ChargeHandler(h *idem.HTTP) http.Handler {
@@ -33,6 +45,7 @@ func (s *PaymentService) ChargeHandler(h *idem.HTTP) http.Handler {
 
 // RegisterIdemRoutes registers every routed //idem:http handler of this package on mux.
 func RegisterIdemRoutes(mux *http.ServeMux, h *idem.HTTP, paymentService *PaymentService) {
+	idem.HandleRoute(mux, "GET /orders/{order}/charges", paymentService.ChargesHandler(h))
 	idem.HandleRoute(mux, "POST /payments", paymentService.ChargeHandler(h))
 }
 

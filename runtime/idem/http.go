@@ -3,7 +3,6 @@ package idem
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,6 +10,7 @@ import (
 	"log/slog"
 	"mime"
 	"net/http"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -237,7 +237,8 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 
 // Handle returns the http.Handler for one //idem:http function. For every
 // request with a new key it runs, in one transaction: claim the key, call fn
-// with the decoded JSON request, store the response, commit. A repeated key
+// with the decoded JSON request (and its fields tagged path, query or header
+// bound: see bind.go), store the response, commit. A repeated key
 // with the same request replays the stored response without calling fn.
 //
 // Generated code calls it; call it by hand to wrap a function without the
@@ -252,6 +253,10 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		panic(fmt.Sprintf("idem.Handle %s: %v", ep.Scope, err))
 	}
 	method := ep.method()
+	bind, err := newBinder(reflect.TypeFor[Req](), ep.Route)
+	if err != nil {
+		panic(fmt.Sprintf("idem.Handle %s: request binding: %v", ep.Scope, err))
+	}
 	name := ep.Route
 	if name == "" {
 		name = ep.Scope
@@ -273,7 +278,7 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 			return
 		}
 		var req Req
-		if perr := decodeJSON(in.body, &req, h.strict); perr != nil {
+		if perr := bind.decode(r, in, &req, h.strict); perr != nil {
 			writeProblem(w, perr)
 			return
 		}
@@ -373,7 +378,8 @@ func (o *response) write(w http.ResponseWriter) {
 
 // readRequest resolves the principal (for every request: authentication
 // never depends on the key header), validates the key, reads the body under
-// the size limit, checks its media type and fingerprints the request.
+// the size limit and checks its media type (binder.decode then decodes,
+// binds and fingerprints it).
 func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) (*request, *Error) {
 	in := &request{}
 	if h.principal != nil {
@@ -419,13 +425,6 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 			Detail: fmt.Sprintf("the body must be JSON (application/json), not %q", ct)}
 	}
 	in.body = body
-
-	// The fingerprint binds a key to one request: the same key with another
-	// method, target or body is a client bug (422), not a retry.
-	f := sha256.New()
-	fmt.Fprintf(f, "%s\x00%s\x00", r.Method, r.URL.RequestURI())
-	f.Write(body)
-	in.fingerprint = f.Sum(nil)
 	return in, nil
 }
 
