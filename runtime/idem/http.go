@@ -731,7 +731,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		})
 		switch c := pgCode(err); {
 		case err == nil:
-		case c == "":
+		case c == "" && !errors.Is(err, pgx.ErrTxCommitRollback):
 			// No answer from the server (the connection broke, or ctx
 			// ended and pgx gave up on it) while the COMMIT was on its way
 			// or running: it may have committed. Saying "nothing was done"
