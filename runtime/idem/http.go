@@ -482,6 +482,10 @@ var (
 	errBusy          = errors.New("database busy")
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
+	// errCommitUnknown: the COMMIT was sent but no answer came back, so
+	// whether it committed is unknown (503 saying so; the key makes the
+	// retry safe: it replays a committed response or runs the function).
+	errCommitUnknown = errors.New("commit outcome unknown")
 )
 
 // serve runs one operation. With a key, in one transaction:
@@ -741,6 +745,12 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		})
 		switch c := pgCode(err); {
 		case err == nil:
+		case c == "" && !errors.Is(err, pgx.ErrTxCommitRollback):
+			// No answer from the server (the connection broke, or ctx
+			// ended and pgx gave up on it) while the COMMIT was on its way
+			// or running: it may have committed. Saying "nothing was done"
+			// could be false; a retry with the key is right either way.
+			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "store response and commit", err))
 		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
 		case strings.HasPrefix(c, "22") || c == "54000":
@@ -840,6 +850,10 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	case errors.Is(err, errFingerprint):
 		return &Error{Status: http.StatusUnprocessableEntity, Title: "Idempotency key reused",
 			Detail: "this idempotency key was used with a different request"}
+	case errors.Is(err, errCommitUnknown): // before the context cases: it may wrap ctx's error
+		h.logger.ErrorContext(r.Context(), "commit outcome unknown", "scope", ep.Scope, "err", err)
+		return &Error{Status: http.StatusServiceUnavailable, Title: "Outcome unknown", RetryAfter: time.Second, Err: err,
+			Detail: "the connection to the database broke while committing, so the outcome is unknown; retry with the same idempotency key: a committed request is replayed, not run again"}
 	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
 		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
