@@ -11,6 +11,14 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 -- the interval instead of when the statement ends. Transaction-scoped.
 SELECT set_config('client_connection_check_interval', @interval::text, true);
 
+-- name: SetIdleInTransactionTimeout :exec
+-- Ends the session of a process that stops (SIGSTOP, a VM pause, a stuck
+-- runtime) in the middle of a transaction: its connection stays open, so
+-- neither a kill check nor TCP keepalives notice it, and its locks (an
+-- in-flight key, a processed-event row) would be held until it woke up.
+-- Transaction-scoped.
+SELECT set_config('idle_in_transaction_session_timeout', @timeout::text, true);
+
 -- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true);
 

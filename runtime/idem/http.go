@@ -38,6 +38,12 @@ const (
 	// DefaultConnCheckInterval is how often PostgreSQL checks, during a
 	// statement, that the process holding a key is still connected.
 	DefaultConnCheckInterval = time.Second
+	// DefaultIdleInTransactionTimeout bounds how long a process frozen in
+	// the middle of a transaction (an HTTP operation or a consumed record)
+	// keeps its locks: PostgreSQL ends its session after this long without a
+	// statement. Two minutes leaves room for downstream calls made inside
+	// the operation.
+	DefaultIdleInTransactionTimeout = 2 * time.Minute
 	// MaxKeyLength is the longest Idempotency-Key accepted, in bytes.
 	MaxKeyLength = 255
 
@@ -159,6 +165,17 @@ type HTTPConfig struct {
 	// NoConnCheck leaves client_connection_check_interval as the session has
 	// it.
 	NoConnCheck bool
+	// IdleInTransactionTimeout is PostgreSQL's
+	// idle_in_transaction_session_timeout for the runtime's transactions (0:
+	// DefaultIdleInTransactionTimeout). A process frozen mid-request (SIGSTOP,
+	// a paused VM) keeps its connection open, so only this frees its key:
+	// after it the server ends that session and rolls its work back, and a
+	// retry elsewhere runs. It must be longer than the longest pause between
+	// the function's own statements (a downstream call inside the operation).
+	IdleInTransactionTimeout time.Duration
+	// NoIdleInTransactionTimeout leaves idle_in_transaction_session_timeout
+	// as the session has it.
+	NoIdleInTransactionTimeout bool
 	// Logger receives failures that are not the client's fault (default
 	// slog.Default()).
 	Logger *slog.Logger
@@ -182,6 +199,7 @@ type HTTP struct {
 	// connCheckMS is the client_connection_check_interval in milliseconds,
 	// 0 when off (configured so, or refused by the server).
 	connCheckMS atomic.Int64
+	idle        time.Duration // idle_in_transaction_session_timeout; 0: the session's
 	flights     flights
 	tel         *telemetry.Telemetry
 }
@@ -226,6 +244,15 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 		h.connCheckMS.Store(DefaultConnCheckInterval.Milliseconds())
 	default:
 		h.connCheckMS.Store(max(cfg.ConnCheckInterval.Milliseconds(), 1))
+	}
+	switch {
+	case cfg.NoIdleInTransactionTimeout:
+	case cfg.IdleInTransactionTimeout < 0:
+		return nil, fmt.Errorf("idem.NewHTTP: negative IdleInTransactionTimeout %v (set NoIdleInTransactionTimeout to leave it off)", cfg.IdleInTransactionTimeout)
+	case cfg.IdleInTransactionTimeout == 0:
+		h.idle = DefaultIdleInTransactionTimeout
+	default:
+		h.idle = cfg.IdleInTransactionTimeout
 	}
 	if h.logger == nil {
 		h.logger = slog.Default()
@@ -643,7 +670,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 		}
 		check := h.connCheckMS.Load()
 		bctx, cancel := answerBound(ctx, deadline)
-		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond, h.idle))
 		err = unanswered(ctx, bctx, "begin", err)
 		cancel()
 		if err == nil {

@@ -1304,6 +1304,20 @@ func (q *Queries) SetConnectionCheck(ctx context.Context, interval string) error
 	return err
 }
 
+const SetIdleInTransactionTimeout = `-- name: SetIdleInTransactionTimeout :exec
+SELECT set_config('idle_in_transaction_session_timeout', $1::text, true)
+`
+
+// Ends the session of a process that stops (SIGSTOP, a VM pause, a stuck
+// runtime) in the middle of a transaction: its connection stays open, so
+// neither a kill check nor TCP keepalives notice it, and its locks (an
+// in-flight key, a processed-event row) would be held until it woke up.
+// Transaction-scoped.
+func (q *Queries) SetIdleInTransactionTimeout(ctx context.Context, timeout string) error {
+	_, err := q.db.Exec(ctx, SetIdleInTransactionTimeout, timeout)
+	return err
+}
+
 const SetLockTimeout = `-- name: SetLockTimeout :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
        set_config('lock_timeout', $1::text, true)
