@@ -5,7 +5,9 @@ import (
 	"encoding"
 	"fmt"
 	"net/http"
+	"net/url"
 	"reflect"
+	"runtime/debug"
 	"strconv"
 	"strings"
 )
@@ -191,7 +193,17 @@ func implementsText(t reflect.Type) bool {
 // not supported.
 func converterFor(t reflect.Type) converter {
 	if implementsText(t) {
-		return func(s string, v reflect.Value) (string, error) {
+		return func(s string, v reflect.Value) (canonical string, err error) {
+			// The type's own code runs on the client's bytes: a panic in it
+			// (a bug) would make net/http drop the connection with no
+			// answer, and a retrying client try again in vain. It is the
+			// value's fault as much as the type's, and the same value
+			// always panics: a 400, logged with the stack by Handle.
+			defer func() {
+				if r := recover(); r != nil {
+					err = &bindPanicError{typ: t, value: r, stack: debug.Stack()}
+				}
+			}()
 			p := reflect.New(t)
 			if err := p.Interface().(encoding.TextUnmarshaler).UnmarshalText([]byte(s)); err != nil {
 				return "", err
@@ -273,7 +285,14 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 			raw = []string{r.PathValue(f.name)}
 		case bindQuery:
 			if query == nil {
-				query = r.URL.Query()
+				// url.URL.Query drops a pair it cannot parse (a ';'
+				// separator, a bad %-escape) without a word:
+				// ?dry_run=true; would reach the function as false.
+				var err error
+				if query, err = url.ParseQuery(r.URL.RawQuery); err != nil {
+					return nil, &Error{Status: http.StatusBadRequest, Title: "Invalid query",
+						Detail: fmt.Sprintf("query: %v (parameters are separated by &, and %% starts a two-digit hex escape)", err), Err: err}
+				}
 			}
 			raw = query[f.name]
 		case bindHeader:
@@ -315,6 +334,19 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 		}
 	}
 	return canon, nil
+}
+
+// bindPanicError is a panic in a bound type's UnmarshalText or MarshalText.
+// Its text, which the client sees, leaves the panic value out; Handle logs
+// the value and stack.
+type bindPanicError struct {
+	typ   reflect.Type
+	value any
+	stack []byte
+}
+
+func (e *bindPanicError) Error() string {
+	return fmt.Sprintf("the value could not be parsed (%s.UnmarshalText failed)", e.typ)
 }
 
 func bindError(what, name string, err error) *Error {
