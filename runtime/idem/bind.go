@@ -40,6 +40,13 @@ type boundField struct {
 	name   string // wildcard, query parameter or canonical header name
 	slice  bool   // repeated values (query and header only)
 	conv   converter
+	// zero is the canonical text of the field's zero value, which an
+	// absent or empty value gives the function: so that X-Version: 0 and
+	// no X-Version header, which the function cannot tell apart, are the
+	// same request. hasZero is false when it is unknown (a TextUnmarshaler
+	// without MarshalText, or whose MarshalText fails on its zero value).
+	zero    string
+	hasZero bool
 }
 
 // converter parses one value into v (settable, of the field's element type)
@@ -108,7 +115,11 @@ func newBinder(t reflect.Type, route string) (*binder, error) {
 		if conv == nil {
 			return nil, fmt.Errorf("field %s has type %s, which %s binding does not support (%s)", f.Name, f.Type, source, SupportedBindingTypes)
 		}
-		b.fields = append(b.fields, boundField{index: i, source: source, name: name, slice: slice, conv: conv})
+		bf := boundField{index: i, source: source, name: name, slice: slice, conv: conv}
+		if !slice {
+			bf.zero, bf.hasZero = zeroCanonical(ft)
+		}
+		b.fields = append(b.fields, bf)
 	}
 	return b, nil
 }
@@ -187,6 +198,34 @@ func embedsBinding(t reflect.Type, depth int) bool {
 // implementsText reports whether a *t is an encoding.TextUnmarshaler.
 func implementsText(t reflect.Type) bool {
 	return reflect.PointerTo(t).Implements(textUnmarshalerType)
+}
+
+// zeroCanonical is the canonical text of t's zero value, as its converter
+// would return it for a value that parses to zero.
+func zeroCanonical(t reflect.Type) (canonical string, ok bool) {
+	if implementsText(t) {
+		defer func() {
+			if recover() != nil {
+				canonical, ok = "", false
+			}
+		}()
+		m, isM := reflect.New(t).Interface().(encoding.TextMarshaler)
+		if !isM {
+			return "", false
+		}
+		out, err := m.MarshalText()
+		return string(out), err == nil
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "", true
+	case reflect.Bool:
+		return strconv.FormatBool(false), true
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "0", true
+	}
+	return "", false
 }
 
 // converterFor returns the converter for a field of type t, or nil if t is
@@ -324,6 +363,8 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 				return nil, bindError(what, f.name, err)
 			}
 			values = append(values, c)
+		} else if f.hasZero {
+			values = append(values, f.zero)
 		}
 		put(f.source)
 		put(f.name)

@@ -167,3 +167,37 @@ func (s *syncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// An absent or empty bound value is the field's zero value; the same value
+// spelled out (X-Client-Version: 0, ?dry_run=false, X-Trace: 00000000) gives
+// the function exactly the same request, so the same key replays. It was a
+// 422 "different request": absent encoded as no value, 0 as one.
+func TestBindAbsentEqualsExplicitZero(t *testing.T) {
+	b := newBindEnv(t)
+	first := b.send(t, "POST", "/orders/1/refund", "zero", `{"amount":1}`)
+	if first.status != http.StatusOK {
+		t.Fatalf("first: %d %s", first.status, first.body)
+	}
+	for _, c := range []struct {
+		target string
+		header []string
+	}{
+		{"/orders/1/refund?dry_run=false", nil},
+		{"/orders/1/refund?dry_run=0&dry_run_unbound=1", nil},
+		{"/orders/1/refund?dry_run=", nil},
+		{"/orders/1/refund", []string{"X-Client-Version", "0"}},
+		{"/orders/1/refund", []string{"X-Client-Version", "000"}},
+		{"/orders/1/refund", []string{"X-Trace", "00000000"}},
+	} {
+		r := b.send(t, "POST", c.target, "zero", `{"amount":1}`, c.header...)
+		if r.status != http.StatusOK || r.header.Get("Idempotent-Replayed") != "true" {
+			t.Errorf("%s %v: %d %s, want the stored response replayed", c.target, c.header, r.status, r.body)
+		}
+	}
+	// A value that is not zero is still another request.
+	r := b.send(t, "POST", "/orders/1/refund", "zero", `{"amount":1}`, "X-Client-Version", "1")
+	wantProblem(t, r, http.StatusUnprocessableEntity)
+	if n := b.calls.Load(); n != 1 {
+		t.Fatalf("function called %d times, want 1", n)
+	}
+}
