@@ -387,7 +387,7 @@ type bindPanicError struct {
 }
 
 func (e *bindPanicError) Error() string {
-	return fmt.Sprintf("the value could not be parsed (%s.UnmarshalText failed)", e.typ)
+	return fmt.Sprintf("the value could not be parsed (%s's UnmarshalText or MarshalText panicked)", e.typ)
 }
 
 func bindError(what, name string, err error) *Error {
