@@ -360,8 +360,17 @@ FROM idem_outbox o
 WHERE o.status = 'PARKED'
   AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
   AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic))
+  AND o.id > @after
 ORDER BY o.id
 LIMIT @max_rows;
+
+-- name: CountParkedOutbox :one
+-- How many PARKED rows ListParkedOutbox's filter matches in all, so a listing
+-- cut at its limit (and requeue's dry run) can say how many there are.
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = 'PARKED'
+  AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
+  AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic));
 
 -- name: CountOutboxBefore :one
 -- For purge's dry run: rows in @status created (PARKED) or published
@@ -390,8 +399,16 @@ FROM idem_dead_letters d
 WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
   AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
   AND (@include_replayed::bool OR d.replayed_at IS NULL)
+  AND d.id > @after
 ORDER BY d.id
 LIMIT @max_rows;
+
+-- name: CountDeadLetters :one
+-- How many dead letters ListDeadLetters's filter matches in all.
+SELECT count(*)::bigint FROM idem_dead_letters d
+WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
+  AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
+  AND (@include_replayed::bool OR d.replayed_at IS NULL);
 
 -- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = @id;

@@ -52,6 +52,18 @@ func main() {
 	if len(os.Args) > 1 {
 		cmd = os.Args[1]
 	}
+	// A subcommand takes no arguments: its settings are environment
+	// variables. "payments serve --help" must print the help, not start a
+	// service on the default ports against the default database.
+	for _, a := range os.Args[min(2, len(os.Args)):] {
+		switch a {
+		case "help", "-h", "-help", "--help":
+			fmt.Print(usage)
+			return
+		}
+		fmt.Fprintf(os.Stderr, "payments: %s takes no arguments (settings are environment variables; see payments --help), got %q\n", cmd, a)
+		os.Exit(2)
+	}
 	var err error
 	switch cmd {
 	case "demo":

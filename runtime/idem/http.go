@@ -265,7 +265,21 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
 		r = r.WithContext(ctx)
 		w = &statusRecorder{ResponseWriter: w}
-		defer func() { done(w.(*statusRecorder).outcome()) }()
+		defer func() {
+			rec := w.(*statusRecorder)
+			if p := recover(); p != nil {
+				// net/http recovers the panic and drops the response: the
+				// client saw a failure, not an executed operation.
+				if rec.status < 500 {
+					rec.status = http.StatusInternalServerError
+				}
+				rec.replayed = false
+				rec.err = fmt.Errorf("handler panicked: %v", p)
+				done(rec.outcome())
+				panic(p)
+			}
+			done(rec.outcome())
+		}()
 		if method != "" && r.Method != method {
 			w.Header().Set("Allow", method)
 			writeProblem(w, &Error{Status: http.StatusMethodNotAllowed,
