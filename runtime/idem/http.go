@@ -320,6 +320,11 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		}
 		var req Req
 		if perr := bind.decode(r, in, &req, h.strict); perr != nil {
+			var bp *bindPanicError
+			if errors.As(perr.Err, &bp) {
+				h.logger.ErrorContext(ctx, "request binding: a bound type panicked on the request's value; answered 400",
+					"type", bp.typ.String(), "panic", fmt.Sprint(bp.value), "stack", string(bp.stack), "detail", perr.Detail)
+			}
 			writeProblem(w, perr)
 			return
 		}
