@@ -11,6 +11,14 @@ SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), tr
 -- the interval instead of when the statement ends. Transaction-scoped.
 SELECT set_config('client_connection_check_interval', @interval::text, true);
 
+-- name: SetIdleInTransactionTimeout :exec
+-- Ends the session of a process that stops (SIGSTOP, a VM pause, a stuck
+-- runtime) in the middle of a transaction: its connection stays open, so
+-- neither a kill check nor TCP keepalives notice it, and its locks (an
+-- in-flight key, a processed-event row) would be held until it woke up.
+-- Transaction-scoped.
+SELECT set_config('idle_in_transaction_session_timeout', @timeout::text, true);
+
 -- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true);
 
@@ -360,8 +368,17 @@ FROM idem_outbox o
 WHERE o.status = 'PARKED'
   AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
   AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic))
+  AND o.id > @after
 ORDER BY o.id
 LIMIT @max_rows;
+
+-- name: CountParkedOutbox :one
+-- How many PARKED rows ListParkedOutbox's filter matches in all, so a listing
+-- cut at its limit (and requeue's dry run) can say how many there are.
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = 'PARKED'
+  AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
+  AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic));
 
 -- name: CountOutboxBefore :one
 -- For purge's dry run: rows in @status created (PARKED) or published
@@ -390,8 +407,16 @@ FROM idem_dead_letters d
 WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
   AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
   AND (@include_replayed::bool OR d.replayed_at IS NULL)
+  AND d.id > @after
 ORDER BY d.id
 LIMIT @max_rows;
+
+-- name: CountDeadLetters :one
+-- How many dead letters ListDeadLetters's filter matches in all.
+SELECT count(*)::bigint FROM idem_dead_letters d
+WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
+  AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
+  AND (@include_replayed::bool OR d.replayed_at IS NULL);
 
 -- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = @id;

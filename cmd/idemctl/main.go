@@ -37,16 +37,18 @@ const usage = `usage: idemctl <command> [flags]
 
 Outbox:
   outbox status                            counts per state, oldest pending age, active relay
-  outbox parked   [--topic T] [--id N] [--limit N]
-                                           list parked events with their last error
+  outbox parked   [--topic T] [--id N] [--limit N] [--after ID]
+                                           list parked events with their last error,
+                                           oldest first, a page of --limit (default 100)
   outbox requeue  (--all | --id N | --topic T) [--yes]
                                            parked -> pending, with a fresh attempt budget
   outbox purge    (--published | --parked) --older-than DURATION [--yes]
                                            delete old published and/or parked rows
 
 Dead letters:
-  deadletters list    [--context C] [--topic T] [--all] [--limit N]
-                                           not yet replayed ones (--all: replayed too)
+  deadletters list    [--context C] [--topic T] [--all] [--limit N] [--after ID]
+                                           not yet replayed ones (--all: replayed too),
+                                           a page of --limit (default 100)
   deadletters show    --id N               key, value and headers, escaped
   deadletters replay  --id N [--yes] [--timeout 30s]
                                            re-produce to its topic (needs KAFKA_BROKERS),
@@ -60,15 +62,27 @@ Idempotency keys (scoped: name the scope, the principal and the key):
                                            anew; refused while a request holds it
 
 Environment:
-  DATABASE_URL   PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres);
-                 its search_path selects the schema with idemgen's tables
-  KAFKA_BROKERS  comma-separated seed brokers, for deadletters replay
+  DATABASE_URL     PostgreSQL (default postgres://postgres@127.0.0.1:5432/postgres);
+                   its search_path selects the schema with idemgen's tables
+  KAFKA_BROKERS    comma-separated seed brokers, for deadletters replay
+  IDEMCTL_TIMEOUT  how long a command may wait for the database (default 1m; replay
+                   adds its --timeout): a database that never answers is an error
+                   (exit 2), not a hang
 
 Without --yes a mutating command only prints what it would do (a dry run).
 Exit status: 0 done or dry run, 1 refused or not found, 2 usage or error.
 `
 
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// defaultTimeout bounds a command's database work unless IDEMCTL_TIMEOUT says
+// otherwise. Without a bound, a database behind a partition (connections
+// accepted, or packets dropped, and never answered) hangs idemctl until the
+// operator gives up on it; pgx has no connect or query timeout of its own.
+const defaultTimeout = time.Minute
+
+// dryRunShown is how many rows a dry run lists; it counts them all.
+const dryRunShown = 20
 
 // exit codes
 const (
@@ -106,7 +120,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "idemctl: %s needs a subcommand\n\n%s", args[0], usage)
 		return exitError
 	}
-	c := &cli{out: stdout, ctx: ctx}
+	timeout := defaultTimeout
+	if v := os.Getenv("IDEMCTL_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			fmt.Fprintf(stderr, "idemctl: IDEMCTL_TIMEOUT=%q: want a positive duration such as 30s\n", v)
+			return exitError
+		}
+		timeout = d
+	}
+	c := &cli{out: stdout, ctx: ctx, timeout: timeout}
 	cmds := map[string]func([]string) error{
 		"outbox status":       c.outboxStatus,
 		"outbox parked":       c.outboxParked,
@@ -133,9 +156,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case err == nil:
 		return exitOK
 	case errors.Is(err, flag.ErrHelp):
+		// "idemctl outbox parked --help" printed nothing at all.
+		fmt.Fprint(stdout, usage)
 		return exitOK
 	case errors.As(err, &u):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
+		return exitError
+	case c.timedOut():
+		fmt.Fprintf(stderr, "idemctl %s: gave up after %v (IDEMCTL_TIMEOUT): the database at %s did not answer in time: %v\n", name, c.deadline, c.dbHost(), err)
 		return exitError
 	case errors.As(err, &refused), errors.Is(err, admin.ErrNotFound), errors.Is(err, admin.ErrInFlight):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
@@ -150,14 +178,30 @@ type cli struct {
 	ctx  context.Context
 	out  io.Writer
 	pool *pgxpool.Pool
+	// timeout bounds the command's database work (IDEMCTL_TIMEOUT); extra
+	// is added to it by commands that also wait on something else (replay's
+	// broker ack). deadline is the bound in force once admin() ran.
+	timeout, extra, deadline time.Duration
+	cancel                   context.CancelFunc
+	host                     string
 }
 
+// admin connects to DATABASE_URL and puts the command's context under its
+// deadline: everything from here on (connecting included) must finish
+// within IDEMCTL_TIMEOUT (+ extra).
 func (c *cli) admin() (*admin.Admin, error) {
 	url := os.Getenv("DATABASE_URL")
 	if url == "" {
 		url = defaultDatabaseURL
 	}
-	pool, err := pgxpool.New(c.ctx, url)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	c.host = fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port)
+	c.deadline = c.timeout + c.extra
+	c.ctx, c.cancel = context.WithTimeout(c.ctx, c.deadline)
+	pool, err := pgxpool.NewWithConfig(c.ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to DATABASE_URL: %w", err)
 	}
@@ -165,9 +209,20 @@ func (c *cli) admin() (*admin.Admin, error) {
 	return admin.New(pool), nil
 }
 
+// timedOut reports whether the command's own deadline (not an inner one,
+// such as replay's --timeout for the broker) ended it.
+func (c *cli) timedOut() bool {
+	return c.cancel != nil && errors.Is(c.ctx.Err(), context.DeadlineExceeded)
+}
+
+func (c *cli) dbHost() string { return c.host }
+
 func (c *cli) close() {
 	if c.pool != nil {
 		c.pool.Close()
+	}
+	if c.cancel != nil {
+		c.cancel()
 	}
 }
 
@@ -224,23 +279,66 @@ func (c *cli) outboxParked(args []string) error {
 	topic := fs.String("topic", "", "only this topic")
 	id := fs.Int64("id", 0, "only this outbox row")
 	limit := fs.Int("limit", 100, "list at most this many")
+	after := fs.Int64("after", 0, "list rows with an id above this (the next page)")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if err := pageFlags(*limit, *after); err != nil {
+		return err
+	}
+	if *id < 0 {
+		return usageError("--id must be positive")
 	}
 	a, err := c.admin()
 	if err != nil {
 		return err
 	}
-	rows, err := a.ParkedEvents(c.ctx, admin.OutboxFilter{ID: *id, Topic: *topic}, *limit)
+	f := admin.OutboxFilter{ID: *id, Topic: *topic}
+	total, err := a.CountParkedEvents(c.ctx, f)
 	if err != nil {
 		return err
 	}
+	f.After = *after
+	rows, err := a.ParkedEvents(c.ctx, f, *limit)
+	if err != nil {
+		return err
+	}
+	c.printf("%d parked\n", total)
 	c.printParked(rows)
+	c.printPage(len(rows), total, *after, *limit, func(i int) int64 { return rows[i].ID })
 	return nil
 }
 
+// pageFlags checks --limit and --after.
+func pageFlags(limit int, after int64) error {
+	if limit < 0 {
+		return usageError("--limit must not be negative")
+	}
+	if after < 0 {
+		return usageError("--after must not be negative")
+	}
+	return nil
+}
+
+// printPage tells, when a listing shows fewer rows than match, which ones it
+// showed and how to get the next page: with 10,000 parked rows an operator
+// sees the total and a page, never a flood nor a silently cut list.
+func (c *cli) printPage(shown int, total, after int64, limit int, id func(int) int64) {
+	if after == 0 && int64(shown) >= total {
+		return
+	}
+	if shown == 0 {
+		c.printf("(none with an id above %d)\n", after)
+		return
+	}
+	c.printf("showed %d (ids %d..%d)", shown, id(0), id(shown-1))
+	if shown == limit {
+		c.printf("; next page: --after %d", id(shown-1))
+	}
+	c.printf("\n")
+}
+
 func (c *cli) printParked(rows []admin.ParkedEvent) {
-	c.printf("%d parked\n", len(rows))
 	for _, r := range rows {
 		c.printf("id=%d topic=%s event_id=%s key=%s attempts=%d enqueued=%s\n  last_error: %s\n", r.ID, escape([]byte(r.Topic)),
 			escape([]byte(r.EventID)), escape(r.Key), r.Attempts, r.CreatedAt.UTC().Format(time.RFC3339), escape([]byte(r.LastError)))
@@ -268,12 +366,20 @@ func (c *cli) outboxRequeue(args []string) error {
 	}
 	f := admin.OutboxFilter{ID: *id, Topic: *topic}
 	if !*yes {
-		rows, err := a.ParkedEvents(c.ctx, f, 1000)
+		// The count is the whole selection; the listing only its start.
+		total, err := a.CountParkedEvents(c.ctx, f)
 		if err != nil {
 			return err
 		}
-		c.printf("dry run: would requeue %d parked row(s) (PARKED -> PENDING, attempts reset); run again with --yes\n", len(rows))
+		rows, err := a.ParkedEvents(c.ctx, f, dryRunShown)
+		if err != nil {
+			return err
+		}
+		c.printf("dry run: would requeue %d parked row(s) (PARKED -> PENDING, attempts reset); run again with --yes\n", total)
 		c.printParked(rows)
+		if total > int64(len(rows)) {
+			c.printf("… and %d more (outbox parked lists them all)\n", total-int64(len(rows)))
+		}
 		return nil
 	}
 	n, err := a.RequeueParked(c.ctx, f)
@@ -322,6 +428,8 @@ func (c *cli) outboxPurge(args []string) error {
 		}
 		n, err := a.PurgeOutbox(c.ctx, s, before, 1000)
 		if err != nil {
+			// Committed batches stay: say how many, so a rerun is understood.
+			c.printf("deleted %d %s row(s) older than %s before stopping on an error\n", n, s, *olderThan)
 			return err
 		}
 		c.printf("deleted %d %s row(s) older than %s\n", n, s, *olderThan)
@@ -335,18 +443,29 @@ func (c *cli) deadLettersList(args []string) error {
 	topic := fs.String("topic", "", "only this topic")
 	all := fs.Bool("all", false, "include replayed dead letters (kept until retention)")
 	limit := fs.Int("limit", 100, "list at most this many")
+	after := fs.Int64("after", 0, "list dead letters with an id above this (the next page)")
 	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := pageFlags(*limit, *after); err != nil {
 		return err
 	}
 	a, err := c.admin()
 	if err != nil {
 		return err
 	}
-	rows, err := a.DeadLetters(c.ctx, admin.DeadLetterFilter{Context: *context, Topic: *topic, IncludeReplayed: *all}, *limit)
+	f := admin.DeadLetterFilter{Context: *context, Topic: *topic, IncludeReplayed: *all}
+	total, err := a.CountDeadLetters(c.ctx, f)
 	if err != nil {
 		return err
 	}
-	c.printf("%d dead letter(s)\n", len(rows))
+	f.After = *after
+	rows, err := a.DeadLetters(c.ctx, f, *limit)
+	if err != nil {
+		return err
+	}
+	c.printf("%d dead letter(s)\n", total)
+	defer c.printPage(len(rows), total, *after, *limit, func(i int) int64 { return rows[i].ID })
 	for _, d := range rows {
 		c.printf("id=%d context=%s %s/%d@%d attempts=%d value_bytes=%d at=%s%s\n  last_error: %s\n", d.ID, escape([]byte(d.Context)),
 			escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts, d.ValueLen, d.CreatedAt.UTC().Format(time.RFC3339),
@@ -451,6 +570,10 @@ func (c *cli) deadLettersReplay(args []string) error {
 	if err := needID(*id); err != nil {
 		return err
 	}
+	if *timeout <= 0 {
+		return usageError("--timeout must be a positive duration")
+	}
+	c.extra = *timeout // the broker's ack is waited for inside the command's deadline
 	a, err := c.admin()
 	if err != nil {
 		return err
@@ -476,7 +599,15 @@ func (c *cli) deadLettersReplay(args []string) error {
 	if brokers == "" {
 		return usageError("replay produces to Kafka: set KAFKA_BROKERS")
 	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(brokers, ",")...), kgo.ProducerLinger(0))
+	// AllowIdempotentProduceCancellation: kgo's idempotent producer would
+	// otherwise not fail a record whose produce request it sent when its
+	// context ends (it cannot know whether the broker wrote it), and a
+	// broker gone silent after the request would hang the replay forever
+	// with the dead letter's row locked. Giving up is safe here: the mark
+	// rolls back, and if the broker did write the record, a second replay
+	// produces a copy that consumers drop by its event id.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(brokers, ",")...), kgo.ProducerLinger(0),
+		kgo.AllowIdempotentProduceCancellation())
 	if err != nil {
 		return fmt.Errorf("kafka client: %w", err)
 	}
@@ -492,6 +623,9 @@ func (c *cli) deadLettersReplay(args []string) error {
 		return cl.ProduceSync(pctx, rec).FirstErr()
 	}
 	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
+	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() {
+		return fmt.Errorf("no ack from KAFKA_BROKERS within --timeout %v; dead letter %d stays unreplayed: %w", *timeout, *id, err)
+	}
 	if err != nil {
 		return err
 	}

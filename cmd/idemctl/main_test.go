@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -51,12 +52,52 @@ func TestScripts(t *testing.T) {
 			env.Setenv("KAFKA_BROKERS", strings.Join(cluster.ListenAddrs(), ","))
 			return nil
 		},
-		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){
-			"sql":      cmdSQL,
-			"holdkey":  cmdHoldKey,
-			"kconsume": cmdKConsume,
-		},
+		Cmds: scriptCmds,
 	})
+}
+
+var scriptCmds = map[string]func(ts *testscript.TestScript, neg bool, args []string){
+	"sql":         cmdSQL,
+	"holdkey":     cmdHoldKey,
+	"kconsume":    cmdKConsume,
+	"pgblackhole": cmdPGBlackhole,
+}
+
+// TestFaultScripts runs testdata/faults/*.txtar: idemctl against a database
+// or broker that never answers. Each script's idemctl runs must end on their
+// own (IDEMCTL_TIMEOUT, --timeout); the deadline below kills a hung one so
+// that a regression fails the test within a minute instead of hanging it.
+func TestFaultScripts(t *testing.T) {
+	testscript.Run(t, testscript.Params{
+		Dir:      "testdata/faults",
+		Deadline: time.Now().Add(60 * time.Second),
+		Setup: func(env *testscript.Env) error {
+			dbURL, drop, err := newSchema()
+			if err != nil {
+				return err
+			}
+			env.Defer(drop)
+			env.Setenv("DATABASE_URL", dbURL)
+			return nil
+		},
+		Cmds: scriptCmds,
+	})
+}
+
+// cmdPGBlackhole runs "pgblackhole": from now on DATABASE_URL goes through a
+// proxy that accepts connections and never answers (a network partition).
+func cmdPGBlackhole(ts *testscript.TestScript, neg bool, args []string) {
+	if neg || len(args) != 0 {
+		ts.Fatalf("usage: pgblackhole")
+	}
+	url := ts.Getenv("DATABASE_URL")
+	p, err := faultproxy.Start(faultproxy.PostgresTarget(url))
+	if err != nil {
+		ts.Fatalf("pgblackhole: %v", err)
+	}
+	ts.Defer(func() { _ = p.Close() })
+	p.Blackhole()
+	ts.Setenv("DATABASE_URL", p.RewriteURL(url))
 }
 
 // newSchema creates a schema with idemgen's tables and returns a URL whose

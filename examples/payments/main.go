@@ -52,6 +52,18 @@ func main() {
 	if len(os.Args) > 1 {
 		cmd = os.Args[1]
 	}
+	// A subcommand takes no arguments: its settings are environment
+	// variables. "payments serve --help" must print the help, not start a
+	// service on the default ports against the default database.
+	for _, a := range os.Args[min(2, len(os.Args)):] {
+		switch a {
+		case "help", "-h", "-help", "--help":
+			fmt.Print(usage)
+			return
+		}
+		fmt.Fprintf(os.Stderr, "payments: %s takes no arguments (settings are environment variables; see payments --help), got %q\n", cmd, a)
+		os.Exit(2)
+	}
 	var err error
 	switch cmd {
 	case "demo":
@@ -153,7 +165,11 @@ func envDuration(name string, def time.Duration) (time.Duration, error) {
 
 // newMux wires the generated routes.
 func newMux(pool *pgxpool.Pool) (*http.ServeMux, error) {
-	h, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+	idle, err := envDuration("IDLE_TX_TIMEOUT", 0)
+	if err != nil {
+		return nil, err
+	}
+	h, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{IdleInTransactionTimeout: idle})
 	if err != nil {
 		return nil, err
 	}
@@ -234,6 +250,11 @@ func consumerConfig(brokers []string) (kafka.ConsumerConfig, error) {
 		}
 		cfg.ClientOpts = append(cfg.ClientOpts, kgo.SessionTimeout(timeout), kgo.HeartbeatInterval(timeout/5))
 	}
+	idle, err := envDuration("IDLE_TX_TIMEOUT", 0)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.IdleInTransactionTimeout = idle
 	// Tests shorten the fetch wait too: kfake answers an empty fetch only
 	// when the wait ends, so a record produced just after a member joins
 	// would otherwise sit there for franz-go's default 5s.

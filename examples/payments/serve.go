@@ -60,6 +60,9 @@ Environment:
                         shorten it, as an in-process broker holds an empty fetch that long
   RELAY_LEASE           the relay's leadership lease (default 15s, idem's); a killed leader's
                         standby takes over after it; tests shorten it
+  IDLE_TX_TIMEOUT       serve, consume: a process frozen mid-transaction (SIGSTOP, a paused VM)
+                        loses its PostgreSQL session after this long without a statement, which
+                        frees its in-flight keys and records (default 2m, idem's; tests shorten it)
   LOG_LEVEL             debug, info (default), warn or error; per-record lines are debug
   IDEM_CRASH_AT         tests only: SIGKILL the process at a named crash point
   IDEM_STOP_AT          tests only: SIGSTOP the process there instead

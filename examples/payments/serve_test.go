@@ -3,9 +3,11 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
 	"regexp"
 	"strings"
@@ -152,6 +154,34 @@ func TestHelp(t *testing.T) {
 		"KAFKA_SESSION_TIMEOUT", "KAFKA_FETCH_MAX_WAIT", "RELAY_LEASE", "LOG_LEVEL", "IDEM_CRASH_AT", "IDEM_STOP_AT", "IDEM_CRASH_HIT"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("--help does not mention %s", want)
+		}
+	}
+}
+
+// TestSubcommandHelp: "payments serve --help" (and every other subcommand's)
+// prints the help and exits 0; it used to ignore the flag and start the
+// service. A stray argument is refused (exit 2) before anything starts. The
+// database is unreachable here, so a subcommand that starts anyway fails
+// with exit 1 instead of hanging the test.
+func TestSubcommandHelp(t *testing.T) {
+	bin := buildCrashBinary(t)
+	env := append(os.Environ(), "DATABASE_URL=postgres://postgres@127.0.0.1:1/none?sslmode=disable", "STARTUP_TIMEOUT=2s",
+		"ADDR=127.0.0.1:0", "KAFKA_EMBEDDED_ADDR=127.0.0.1:0", "PROVIDER_ADDR=127.0.0.1:0", "KAFKA_BROKERS=")
+	for _, sub := range []string{"demo", "serve", "consume", "relay", "provider"} {
+		for _, h := range []string{"--help", "-h", "help"} {
+			cmd := exec.Command(bin, sub, h)
+			cmd.Env = env
+			out, err := cmd.Output()
+			if err != nil || !strings.Contains(string(out), "KAFKA_EMBEDDED_ADDR") {
+				t.Errorf("payments %s %s: %v, output %q; want the help and exit 0", sub, h, err, out)
+			}
+		}
+		cmd := exec.Command(bin, sub, "--port=1")
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 2 || !strings.Contains(string(out), "takes no arguments") {
+			t.Errorf("payments %s --port=1: %v, output %q; want exit 2, takes no arguments", sub, err, out)
 		}
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -97,6 +98,9 @@ func (a *Admin) OutboxStatus(ctx context.Context) (OutboxStatus, error) {
 type OutboxFilter struct {
 	ID    int64
 	Topic string
+	// After pages a listing (ParkedEvents): only rows with an id above it.
+	// RequeueParked refuses it: a requeue selects by id or topic, not page.
+	After int64
 }
 
 func (f OutboxFilter) params() (pgtype.Int8, pgtype.Text) {
@@ -114,10 +118,14 @@ type ParkedEvent struct {
 	LastError string
 }
 
-// ParkedEvents lists up to limit PARKED rows matching f, oldest first.
+// ParkedEvents lists up to limit PARKED rows matching f, oldest first (by
+// id, so the last one's id is the After of the next page).
 func (a *Admin) ParkedEvents(ctx context.Context, f OutboxFilter, limit int) ([]ParkedEvent, error) {
+	if limit < 0 {
+		return nil, fmt.Errorf("list parked outbox rows: limit %d is negative", limit)
+	}
 	id, topic := f.params()
-	rows, err := a.q.ListParkedOutbox(ctx, db.ListParkedOutboxParams{ID: id, Topic: topic, MaxRows: int32(limit)})
+	rows, err := a.q.ListParkedOutbox(ctx, db.ListParkedOutboxParams{ID: id, Topic: topic, After: f.After, MaxRows: int32(min(limit, math.MaxInt32))})
 	if err != nil {
 		return nil, fmt.Errorf("list parked outbox rows: %w", err)
 	}
@@ -128,6 +136,18 @@ func (a *Admin) ParkedEvents(ctx context.Context, f OutboxFilter, limit int) ([]
 	return out, nil
 }
 
+// CountParkedEvents returns how many PARKED rows match f (f.After aside):
+// the total a listing cut at its limit shows, and what RequeueParked(f)
+// would requeue.
+func (a *Admin) CountParkedEvents(ctx context.Context, f OutboxFilter) (int64, error) {
+	id, topic := f.params()
+	n, err := a.q.CountParkedOutbox(ctx, db.CountParkedOutboxParams{ID: id, Topic: topic})
+	if err != nil {
+		return 0, fmt.Errorf("count parked outbox rows: %w", err)
+	}
+	return n, nil
+}
+
 // RequeueParked returns the PARKED rows matching f to PENDING with a fresh
 // attempt budget and wakes the relay (idem.Store's RequeueParked*); it
 // returns how many. Their event ids are unchanged, so a consumer that did
@@ -136,6 +156,8 @@ func (a *Admin) RequeueParked(ctx context.Context, f OutboxFilter) (int64, error
 	var n int64
 	var err error
 	switch {
+	case f.After != 0:
+		return 0, errors.New("requeue parked outbox rows: After pages a listing; select by id or by topic")
 	case f.ID != 0 && f.Topic != "":
 		return 0, errors.New("requeue parked outbox rows: select by id or by topic, not both")
 	case f.ID != 0:
@@ -239,16 +261,22 @@ type DeadLetterFilter struct {
 	Topic   string
 	// IncludeReplayed lists replayed ones too (kept until retention).
 	IncludeReplayed bool
+	// After pages a listing: only dead letters with an id above it.
+	After int64
 }
 
 // DeadLetters lists up to limit dead letters matching f, oldest first,
 // without their key, value and headers (see DeadLetter for those).
 func (a *Admin) DeadLetters(ctx context.Context, f DeadLetterFilter, limit int) ([]DeadLetter, error) {
+	if limit < 0 {
+		return nil, fmt.Errorf("list dead letters: limit %d is negative", limit)
+	}
 	rows, err := a.q.ListDeadLetters(ctx, db.ListDeadLettersParams{
 		Context:         pgtype.Text{String: f.Context, Valid: f.Context != ""},
 		Topic:           pgtype.Text{String: f.Topic, Valid: f.Topic != ""},
 		IncludeReplayed: f.IncludeReplayed,
-		MaxRows:         int32(limit),
+		After:           f.After,
+		MaxRows:         int32(min(limit, math.MaxInt32)),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list dead letters: %w", err)
@@ -260,6 +288,19 @@ func (a *Admin) DeadLetters(ctx context.Context, f DeadLetterFilter, limit int) 
 			ReplayedAt: r.ReplayedAt.Time}
 	}
 	return out, nil
+}
+
+// CountDeadLetters returns how many dead letters match f (f.After aside).
+func (a *Admin) CountDeadLetters(ctx context.Context, f DeadLetterFilter) (int64, error) {
+	n, err := a.q.CountDeadLetters(ctx, db.CountDeadLettersParams{
+		Context:         pgtype.Text{String: f.Context, Valid: f.Context != ""},
+		Topic:           pgtype.Text{String: f.Topic, Valid: f.Topic != ""},
+		IncludeReplayed: f.IncludeReplayed,
+	})
+	if err != nil {
+		return 0, fmt.Errorf("count dead letters: %w", err)
+	}
+	return n, nil
 }
 
 // DeadLetter returns dead letter id in full, or ErrNotFound.
@@ -327,7 +368,7 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 		return false, fmt.Errorf("replay: %w", err)
 	}
 	if err := produce(ctx, d); err != nil {
-		return false, fmt.Errorf("replay dead letter %d: produce to %s partition-key %q: %w", id, d.Topic, d.Key, err)
+		return false, fmt.Errorf("replay dead letter %d: produce to %q partition-key %q: %w", id, d.Topic, d.Key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return false, fmt.Errorf("replay dead letter %d: produced, but marking it replayed failed (a second replay is deduplicated by event id): %w", id, err)

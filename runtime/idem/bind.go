@@ -5,7 +5,9 @@ import (
 	"encoding"
 	"fmt"
 	"net/http"
+	"net/url"
 	"reflect"
+	"runtime/debug"
 	"strconv"
 	"strings"
 )
@@ -38,6 +40,13 @@ type boundField struct {
 	name   string // wildcard, query parameter or canonical header name
 	slice  bool   // repeated values (query and header only)
 	conv   converter
+	// zero is the canonical text of the field's zero value, which an
+	// absent or empty value gives the function: so that X-Version: 0 and
+	// no X-Version header, which the function cannot tell apart, are the
+	// same request. hasZero is false when it is unknown (a TextUnmarshaler
+	// without MarshalText, or whose MarshalText fails on its zero value).
+	zero    string
+	hasZero bool
 }
 
 // converter parses one value into v (settable, of the field's element type)
@@ -106,7 +115,11 @@ func newBinder(t reflect.Type, route string) (*binder, error) {
 		if conv == nil {
 			return nil, fmt.Errorf("field %s has type %s, which %s binding does not support (%s)", f.Name, f.Type, source, SupportedBindingTypes)
 		}
-		b.fields = append(b.fields, boundField{index: i, source: source, name: name, slice: slice, conv: conv})
+		bf := boundField{index: i, source: source, name: name, slice: slice, conv: conv}
+		if !slice {
+			bf.zero, bf.hasZero = zeroCanonical(ft)
+		}
+		b.fields = append(b.fields, bf)
 	}
 	return b, nil
 }
@@ -187,11 +200,49 @@ func implementsText(t reflect.Type) bool {
 	return reflect.PointerTo(t).Implements(textUnmarshalerType)
 }
 
+// zeroCanonical is the canonical text of t's zero value, as its converter
+// would return it for a value that parses to zero.
+func zeroCanonical(t reflect.Type) (canonical string, ok bool) {
+	if implementsText(t) {
+		defer func() {
+			if recover() != nil {
+				canonical, ok = "", false
+			}
+		}()
+		m, isM := reflect.New(t).Interface().(encoding.TextMarshaler)
+		if !isM {
+			return "", false
+		}
+		out, err := m.MarshalText()
+		return string(out), err == nil
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "", true
+	case reflect.Bool:
+		return strconv.FormatBool(false), true
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "0", true
+	}
+	return "", false
+}
+
 // converterFor returns the converter for a field of type t, or nil if t is
 // not supported.
 func converterFor(t reflect.Type) converter {
 	if implementsText(t) {
-		return func(s string, v reflect.Value) (string, error) {
+		return func(s string, v reflect.Value) (canonical string, err error) {
+			// The type's own code runs on the client's bytes: a panic in it
+			// (a bug) would make net/http drop the connection with no
+			// answer, and a retrying client try again in vain. It is the
+			// value's fault as much as the type's, and the same value
+			// always panics: a 400, logged with the stack by Handle.
+			defer func() {
+				if r := recover(); r != nil {
+					err = &bindPanicError{typ: t, value: r, stack: debug.Stack()}
+				}
+			}()
 			p := reflect.New(t)
 			if err := p.Interface().(encoding.TextUnmarshaler).UnmarshalText([]byte(s)); err != nil {
 				return "", err
@@ -273,7 +324,14 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 			raw = []string{r.PathValue(f.name)}
 		case bindQuery:
 			if query == nil {
-				query = r.URL.Query()
+				// url.URL.Query drops a pair it cannot parse (a ';'
+				// separator, a bad %-escape) without a word:
+				// ?dry_run=true; would reach the function as false.
+				var err error
+				if query, err = url.ParseQuery(r.URL.RawQuery); err != nil {
+					return nil, &Error{Status: http.StatusBadRequest, Title: "Invalid query",
+						Detail: fmt.Sprintf("query: %v (parameters are separated by &, and %% starts a two-digit hex escape)", err), Err: err}
+				}
 			}
 			raw = query[f.name]
 		case bindHeader:
@@ -305,6 +363,8 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 				return nil, bindError(what, f.name, err)
 			}
 			values = append(values, c)
+		} else if f.hasZero {
+			values = append(values, f.zero)
 		}
 		put(f.source)
 		put(f.name)
@@ -315,6 +375,19 @@ func (b *binder) bind(r *http.Request, req reflect.Value) ([]byte, *Error) {
 		}
 	}
 	return canon, nil
+}
+
+// bindPanicError is a panic in a bound type's UnmarshalText or MarshalText.
+// Its text, which the client sees, leaves the panic value out; Handle logs
+// the value and stack.
+type bindPanicError struct {
+	typ   reflect.Type
+	value any
+	stack []byte
+}
+
+func (e *bindPanicError) Error() string {
+	return fmt.Sprintf("the value could not be parsed (%s's UnmarshalText or MarshalText panicked)", e.typ)
 }
 
 func bindError(what, name string, err error) *Error {

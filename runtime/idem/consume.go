@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/dbx"
 	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
@@ -220,6 +221,15 @@ type ProcessorConfig struct {
 	// like one that refuses connections. The handler's own statements are
 	// bounded by the context (revoke, shutdown). Default 10s.
 	StorageTimeout time.Duration
+	// IdleInTransactionTimeout is PostgreSQL's
+	// idle_in_transaction_session_timeout for the processor's transactions
+	// (0: DefaultIdleInTransactionTimeout; negative: leave the session's).
+	// A consumer frozen mid-record (SIGSTOP, a paused VM) keeps its
+	// connection open and its processed-event row locked; after this the
+	// server ends its session, so the member that took its partitions over
+	// applies the record instead of waiting for it to wake up. It must be
+	// longer than the longest pause between the handler's own statements.
+	IdleInTransactionTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 	// MeterProvider and TracerProvider receive the processor's metrics and
@@ -263,6 +273,9 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 	cfg.Outage = cfg.Outage.withDefaults()
 	if cfg.StorageTimeout == 0 {
 		cfg.StorageTimeout = 10 * time.Second
+	}
+	if cfg.IdleInTransactionTimeout == 0 {
+		cfg.IdleInTransactionTimeout = DefaultIdleInTransactionTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -372,7 +385,7 @@ func (p *Processor) storageCtx(ctx context.Context) (context.Context, context.Ca
 // *storageError; the handler's are returned as they are.
 func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record, ev any, id string, replayID int64) (Outcome, error) {
 	sctx, cancel := p.storageCtx(ctx)
-	tx, err := p.pool.Begin(sctx)
+	tx, err := p.pool.BeginTx(sctx, dbx.BoundedBegin(pgx.TxOptions{}, 0, 0, max(p.cfg.IdleInTransactionTimeout, 0)))
 	cancel()
 	if err != nil {
 		return 0, &storageError{op: "begin", err: err}
@@ -528,7 +541,7 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 		events[i], ids[i], offsets[i] = ev, id, rec.Offset
 	}
 	sctx, cancel := p.storageCtx(ctx)
-	tx, err := p.pool.Begin(sctx)
+	tx, err := p.pool.BeginTx(sctx, dbx.BoundedBegin(pgx.TxOptions{}, 0, 0, max(p.cfg.IdleInTransactionTimeout, 0)))
 	cancel()
 	if err != nil {
 		return nil, &storageError{op: "begin", err: err}

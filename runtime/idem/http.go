@@ -38,6 +38,12 @@ const (
 	// DefaultConnCheckInterval is how often PostgreSQL checks, during a
 	// statement, that the process holding a key is still connected.
 	DefaultConnCheckInterval = time.Second
+	// DefaultIdleInTransactionTimeout bounds how long a process frozen in
+	// the middle of a transaction (an HTTP operation or a consumed record)
+	// keeps its locks: PostgreSQL ends its session after this long without a
+	// statement. Two minutes leaves room for downstream calls made inside
+	// the operation.
+	DefaultIdleInTransactionTimeout = 2 * time.Minute
 	// MaxKeyLength is the longest Idempotency-Key accepted, in bytes.
 	MaxKeyLength = 255
 
@@ -159,6 +165,17 @@ type HTTPConfig struct {
 	// NoConnCheck leaves client_connection_check_interval as the session has
 	// it.
 	NoConnCheck bool
+	// IdleInTransactionTimeout is PostgreSQL's
+	// idle_in_transaction_session_timeout for the runtime's transactions (0:
+	// DefaultIdleInTransactionTimeout). A process frozen mid-request (SIGSTOP,
+	// a paused VM) keeps its connection open, so only this frees its key:
+	// after it the server ends that session and rolls its work back, and a
+	// retry elsewhere runs. It must be longer than the longest pause between
+	// the function's own statements (a downstream call inside the operation).
+	IdleInTransactionTimeout time.Duration
+	// NoIdleInTransactionTimeout leaves idle_in_transaction_session_timeout
+	// as the session has it.
+	NoIdleInTransactionTimeout bool
 	// Logger receives failures that are not the client's fault (default
 	// slog.Default()).
 	Logger *slog.Logger
@@ -182,6 +199,7 @@ type HTTP struct {
 	// connCheckMS is the client_connection_check_interval in milliseconds,
 	// 0 when off (configured so, or refused by the server).
 	connCheckMS atomic.Int64
+	idle        time.Duration // idle_in_transaction_session_timeout; 0: the session's
 	flights     flights
 	tel         *telemetry.Telemetry
 }
@@ -227,6 +245,15 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 	default:
 		h.connCheckMS.Store(max(cfg.ConnCheckInterval.Milliseconds(), 1))
 	}
+	switch {
+	case cfg.NoIdleInTransactionTimeout:
+	case cfg.IdleInTransactionTimeout < 0:
+		return nil, fmt.Errorf("idem.NewHTTP: negative IdleInTransactionTimeout %v (set NoIdleInTransactionTimeout to leave it off)", cfg.IdleInTransactionTimeout)
+	case cfg.IdleInTransactionTimeout == 0:
+		h.idle = DefaultIdleInTransactionTimeout
+	default:
+		h.idle = cfg.IdleInTransactionTimeout
+	}
 	if h.logger == nil {
 		h.logger = slog.Default()
 	}
@@ -265,7 +292,21 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
 		r = r.WithContext(ctx)
 		w = &statusRecorder{ResponseWriter: w}
-		defer func() { done(w.(*statusRecorder).outcome()) }()
+		defer func() {
+			rec := w.(*statusRecorder)
+			if p := recover(); p != nil {
+				// net/http recovers the panic and drops the response: the
+				// client saw a failure, not an executed operation.
+				if rec.status < 500 {
+					rec.status = http.StatusInternalServerError
+				}
+				rec.replayed = false
+				rec.err = fmt.Errorf("handler panicked: %v", p)
+				done(rec.outcome())
+				panic(p)
+			}
+			done(rec.outcome())
+		}()
 		if method != "" && r.Method != method {
 			w.Header().Set("Allow", method)
 			writeProblem(w, &Error{Status: http.StatusMethodNotAllowed,
@@ -279,6 +320,11 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		}
 		var req Req
 		if perr := bind.decode(r, in, &req, h.strict); perr != nil {
+			var bp *bindPanicError
+			if errors.As(perr.Err, &bp) {
+				h.logger.ErrorContext(ctx, "request binding: a bound type panicked on the request's value; answered 400",
+					"type", bp.typ.String(), "panic", fmt.Sprint(bp.value), "stack", string(bp.stack), "detail", perr.Detail)
+			}
 			writeProblem(w, perr)
 			return
 		}
@@ -468,6 +514,10 @@ var (
 	errBusy          = errors.New("database busy")
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
+	// errCommitUnknown: the COMMIT was sent but no answer came back, so
+	// whether it committed is unknown (503 saying so; the key makes the
+	// retry safe: it replays a committed response or runs the function).
+	errCommitUnknown = errors.New("commit outcome unknown")
 )
 
 // serve runs one operation. With a key, in one transaction:
@@ -625,7 +675,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 		}
 		check := h.connCheckMS.Load()
 		bctx, cancel := answerBound(ctx, deadline)
-		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond))
+		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond, h.idle))
 		err = unanswered(ctx, bctx, "begin", err)
 		cancel()
 		if err == nil {
@@ -727,6 +777,12 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		})
 		switch c := pgCode(err); {
 		case err == nil:
+		case c == "" && !errors.Is(err, pgx.ErrTxCommitRollback):
+			// No answer from the server (the connection broke, or ctx
+			// ended and pgx gave up on it) while the COMMIT was on its way
+			// or running: it may have committed. Saying "nothing was done"
+			// could be false; a retry with the key is right either way.
+			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "store response and commit", err))
 		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
 		case strings.HasPrefix(c, "22") || c == "54000":
@@ -826,6 +882,10 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 	case errors.Is(err, errFingerprint):
 		return &Error{Status: http.StatusUnprocessableEntity, Title: "Idempotency key reused",
 			Detail: "this idempotency key was used with a different request"}
+	case errors.Is(err, errCommitUnknown): // before the context cases: it may wrap ctx's error
+		h.logger.ErrorContext(r.Context(), "commit outcome unknown", "scope", ep.Scope, "err", err)
+		return &Error{Status: http.StatusServiceUnavailable, Title: "Outcome unknown", RetryAfter: time.Second, Err: err,
+			Detail: "the connection to the database broke while committing, so the outcome is unknown; retry with the same idempotency key: a committed request is replayed, not run again"}
 	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
 		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,

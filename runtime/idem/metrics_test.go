@@ -6,9 +6,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
@@ -69,5 +71,52 @@ func TestStoreMetrics(t *testing.T) {
 	}
 	if err := unregister(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A scrape while the database is partitioned (connections accepted, never
+// answered) returns: the gauges' query gives up after its own timeout, so
+// /metrics answers (without those gauges) instead of hanging every scrape.
+func TestStoreMetricsDatabaseBlackholed(t *testing.T) {
+	t.Parallel()
+	url := pgtest.Schema(t)
+	direct, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close()
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	proxy := faultproxy.New(t, faultproxy.PostgresTarget(url))
+	pool, err := pgxpool.New(context.Background(), proxy.RewriteURL(url))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	reader := sdkmetric.NewManualReader()
+	unregister, err := idem.NewStore(pool).RegisterMetrics(sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unregister() }()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatalf("collect with the database up: %v", err)
+	}
+	for _, blackholeAfterConnect := range []bool{true, false} {
+		if !blackholeAfterConnect {
+			proxy.Cut() // new connections from now on, into the blackhole
+		}
+		proxy.Blackhole()
+		done := make(chan error, 1)
+		go func() { done <- reader.Collect(context.Background(), &rm) }()
+		select {
+		case err := <-done:
+			t.Logf("collect (pooled connection %v): %v", blackholeAfterConnect, err)
+		case <-time.After(20 * time.Second):
+			t.Fatalf("collect still waiting on a blackholed database after 20s (pooled connection %v)", blackholeAfterConnect)
+		}
+		proxy.Restore()
 	}
 }

@@ -107,3 +107,34 @@ func TestHTTPTelemetry(t *testing.T) {
 		t.Errorf("%d spans marked as errors, want 0", errorSpans)
 	}
 }
+
+// A handler that panics is not an "executed" operation: net/http recovers
+// the panic and drops the response, so the client saw a failure. The
+// operation counts as a 500 and its span is an error (it counted as executed,
+// with an OK span, because the outcome was read from a status never written).
+// The panic itself still reaches net/http.
+func TestHTTPTelemetryPanic(t *testing.T) {
+	e := newEnv(t)
+	reader := sdkmetric.NewManualReader()
+	spans := tracetest.NewSpanRecorder()
+	e.cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e.cfg.TracerProvider = sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	e.hook = func(context.Context, pgx.Tx, chargeReq) error { panic("handler bug") }
+	h := e.handler(idem.Endpoint{})
+	func() {
+		defer func() {
+			if r := recover(); r != "handler bug" {
+				t.Errorf("recovered %v, want the handler's panic to reach net/http", r)
+			}
+		}()
+		do(h, "k1", body1)
+	}()
+	got := metricSums(t, reader, "idem.http.operations", "idem.outcome")
+	if got["executed"] != 0 || got["500"] != 1 {
+		t.Errorf("operations by outcome = %v, want one 500 and no executed", got)
+	}
+	ended := spans.Ended()
+	if len(ended) != 1 || ended[0].Status().Code != codes.Error {
+		t.Errorf("spans %v, want one with an error status", ended)
+	}
+}

@@ -47,6 +47,9 @@ type ConsumerConfig struct {
 	// StorageTimeout bounds each of the processor's own statements (see
 	// idem.ProcessorConfig). Default 10s.
 	StorageTimeout time.Duration
+	// IdleInTransactionTimeout bounds how long a member frozen mid-record
+	// keeps its locks (see idem.ProcessorConfig). Default 2m.
+	IdleInTransactionTimeout time.Duration
 	// CommitInterval is how often marked offsets are committed (default 1s,
 	// at least 100ms, kgo's minimum).
 	// Offsets are also committed on partition revocation and on shutdown.
@@ -112,6 +115,7 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 	proc, err := idem.NewProcessor(store, idem.ProcessorConfig{
 		Retry: cfg.Retry, Outage: cfg.Outage, StorageTimeout: cfg.StorageTimeout, Logger: cfg.Logger,
 		MeterProvider: cfg.MeterProvider, TracerProvider: cfg.TracerProvider,
+		IdleInTransactionTimeout: cfg.IdleInTransactionTimeout,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("kafka consumer: %w", err)

@@ -255,6 +255,27 @@ func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64
 	return result.RowsAffected(), nil
 }
 
+const CountDeadLetters = `-- name: CountDeadLetters :one
+SELECT count(*)::bigint FROM idem_dead_letters d
+WHERE ($1::text IS NULL OR d.context = $1)
+  AND ($2::text IS NULL OR d.topic = $2)
+  AND ($3::bool OR d.replayed_at IS NULL)
+`
+
+type CountDeadLettersParams struct {
+	Context         pgtype.Text
+	Topic           pgtype.Text
+	IncludeReplayed bool
+}
+
+// How many dead letters ListDeadLetters's filter matches in all.
+func (q *Queries) CountDeadLetters(ctx context.Context, arg CountDeadLettersParams) (int64, error) {
+	row := q.db.QueryRow(ctx, CountDeadLetters, arg.Context, arg.Topic, arg.IncludeReplayed)
+	var column_1 int64
+	err := row.Scan(&column_1)
+	return column_1, err
+}
+
 const CountOutboxBefore = `-- name: CountOutboxBefore :one
 SELECT count(*)::bigint FROM idem_outbox o
 WHERE o.status = $1::text
@@ -270,6 +291,27 @@ type CountOutboxBeforeParams struct {
 // (PUBLISHED) before @before.
 func (q *Queries) CountOutboxBefore(ctx context.Context, arg CountOutboxBeforeParams) (int64, error) {
 	row := q.db.QueryRow(ctx, CountOutboxBefore, arg.Status, arg.Before)
+	var column_1 int64
+	err := row.Scan(&column_1)
+	return column_1, err
+}
+
+const CountParkedOutbox = `-- name: CountParkedOutbox :one
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = 'PARKED'
+  AND ($1::bigint IS NULL OR o.id = $1)
+  AND ($2::text IS NULL OR o.topic = $2)
+`
+
+type CountParkedOutboxParams struct {
+	ID    pgtype.Int8
+	Topic pgtype.Text
+}
+
+// How many PARKED rows ListParkedOutbox's filter matches in all, so a listing
+// cut at its limit (and requeue's dry run) can say how many there are.
+func (q *Queries) CountParkedOutbox(ctx context.Context, arg CountParkedOutboxParams) (int64, error) {
+	row := q.db.QueryRow(ctx, CountParkedOutbox, arg.ID, arg.Topic)
 	var column_1 int64
 	err := row.Scan(&column_1)
 	return column_1, err
@@ -707,14 +749,16 @@ FROM idem_dead_letters d
 WHERE ($1::text IS NULL OR d.context = $1)
   AND ($2::text IS NULL OR d.topic = $2)
   AND ($3::bool OR d.replayed_at IS NULL)
+  AND d.id > $4
 ORDER BY d.id
-LIMIT $4
+LIMIT $5
 `
 
 type ListDeadLettersParams struct {
 	Context         pgtype.Text
 	Topic           pgtype.Text
 	IncludeReplayed bool
+	After           int64
 	MaxRows         int32
 }
 
@@ -737,6 +781,7 @@ func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams
 		arg.Context,
 		arg.Topic,
 		arg.IncludeReplayed,
+		arg.After,
 		arg.MaxRows,
 	)
 	if err != nil {
@@ -774,13 +819,15 @@ FROM idem_outbox o
 WHERE o.status = 'PARKED'
   AND ($1::bigint IS NULL OR o.id = $1)
   AND ($2::text IS NULL OR o.topic = $2)
+  AND o.id > $3
 ORDER BY o.id
-LIMIT $3
+LIMIT $4
 `
 
 type ListParkedOutboxParams struct {
 	ID      pgtype.Int8
 	Topic   pgtype.Text
+	After   int64
 	MaxRows int32
 }
 
@@ -795,7 +842,12 @@ type ListParkedOutboxRow struct {
 }
 
 func (q *Queries) ListParkedOutbox(ctx context.Context, arg ListParkedOutboxParams) ([]ListParkedOutboxRow, error) {
-	rows, err := q.db.Query(ctx, ListParkedOutbox, arg.ID, arg.Topic, arg.MaxRows)
+	rows, err := q.db.Query(ctx, ListParkedOutbox,
+		arg.ID,
+		arg.Topic,
+		arg.After,
+		arg.MaxRows,
+	)
 	if err != nil {
 		return nil, err
 	}
@@ -1249,6 +1301,20 @@ SELECT set_config('client_connection_check_interval', $1::text, true)
 // the interval instead of when the statement ends. Transaction-scoped.
 func (q *Queries) SetConnectionCheck(ctx context.Context, interval string) error {
 	_, err := q.db.Exec(ctx, SetConnectionCheck, interval)
+	return err
+}
+
+const SetIdleInTransactionTimeout = `-- name: SetIdleInTransactionTimeout :exec
+SELECT set_config('idle_in_transaction_session_timeout', $1::text, true)
+`
+
+// Ends the session of a process that stops (SIGSTOP, a VM pause, a stuck
+// runtime) in the middle of a transaction: its connection stays open, so
+// neither a kill check nor TCP keepalives notice it, and its locks (an
+// in-flight key, a processed-event row) would be held until it woke up.
+// Transaction-scoped.
+func (q *Queries) SetIdleInTransactionTimeout(ctx context.Context, timeout string) error {
+	_, err := q.db.Exec(ctx, SetIdleInTransactionTimeout, timeout)
 	return err
 }
 

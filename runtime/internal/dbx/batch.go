@@ -19,18 +19,23 @@ import (
 )
 
 // BoundedBegin returns opts changed so that beginning the transaction also
-// runs SetLockTimeout (when lockTimeout is positive) and SetConnectionCheck
-// (when connCheck is positive) in the same round trip: the claim that follows
-// waits at most lockTimeout for a lock. The begin statement and the settings go as one simple-protocol query
-// (BEGIN keeps the transaction open past it); the values are inlined as
-// literals of digits, the only values they can hold.
-func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck time.Duration) pgx.TxOptions {
+// runs SetLockTimeout (when lockTimeout is positive), SetConnectionCheck
+// (when connCheck is positive) and SetIdleInTransactionTimeout (when idle is
+// positive) in the same round trip: the claim that follows waits at most
+// lockTimeout for a lock, and a process frozen mid-transaction loses its
+// session after idle. The begin statement and the settings go as one
+// simple-protocol query (BEGIN keeps the transaction open past it); the
+// values are inlined as literals of digits, the only values they can hold.
+func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck, idle time.Duration) pgx.TxOptions {
 	q := beginSQL(opts)
 	if lockTimeout > 0 {
 		q += ";\n" + inline(db.SetLockTimeout, max(lockTimeout.Milliseconds(), 1)) // 0 would mean "wait forever"
 	}
 	if connCheck > 0 {
 		q += ";\n" + inline(db.SetConnectionCheck, max(connCheck.Milliseconds(), 1))
+	}
+	if idle > 0 {
+		q += ";\n" + inline(db.SetIdleInTransactionTimeout, max(idle.Milliseconds(), 1))
 	}
 	if q != beginSQL(opts) {
 		opts.BeginQuery = q
