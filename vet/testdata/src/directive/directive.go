@@ -22,7 +22,7 @@ func Refund(ctx context.Context, tx pgx.Tx, req Req) (Resp, error) { return Resp
 func Capture(ctx context.Context, tx pgx.Tx, req Req) (Resp, error) { return Resp{}, nil }
 
 /*// want `unknown option "stauts" for //idem:http; did you mean "status"\?` */ //idem:http route="POST /voids" stauts=201
-func Void(ctx context.Context, tx pgx.Tx, req Req) (Resp, error) { return Resp{}, nil }
+func Void(ctx context.Context, tx pgx.Tx, req Req) (Resp, error)                { return Resp{}, nil }
 
 // idem:http route="POST /holds" // want `idemgen directives have no space after //: write //idem:http`
 func Hold(ctx context.Context, tx pgx.Tx, req Req) (Resp, error) { return Resp{}, nil }

@@ -7,4 +7,4 @@ import (
 )
 
 /*// want `//idem:http in a _test.go file is ignored: idemgen generates only from the package's non-test files` */ //idem:http route="POST /test"
-func HelperInTest(ctx context.Context, tx pgx.Tx, req Req) (Resp, error) { return Resp{}, nil }
+func HelperInTest(ctx context.Context, tx pgx.Tx, req Req) (Resp, error)                                           { return Resp{}, nil }
