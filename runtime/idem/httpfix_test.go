@@ -17,6 +17,7 @@ import (
 	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/db"
 )
 
 // The tests of this file are an outside review's regression tests (issue 9
@@ -430,5 +431,24 @@ func TestLockCollisionOnlyDelays(t *testing.T) {
 	}
 	if st, h, b := callWithin(t, 10*time.Second, "POST", url, "new-key", body1); st != http.StatusCreated || h.Get("Idempotent-Replayed") != "" {
 		t.Fatalf("new key once free: %d %s", st, b)
+	}
+}
+
+// The migration lock is per schema: a service migrating a fresh schema never
+// waits for another schema's migration (here: held open by another session).
+func TestMigrateLockIsPerSchema(t *testing.T) {
+	t.Parallel()
+	other := pgtest.Pool(t)
+	if err := idem.Migrate(context.Background(), other); err != nil {
+		t.Fatal(err)
+	}
+	// Migrate's own lock statement, as another replica's migration takes it.
+	release := lockTable(t, other, db.MigrateLock)
+	defer release()
+	fresh := pgtest.Pool(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := idem.Migrate(ctx, fresh); err != nil {
+		t.Fatalf("Migrate of a fresh schema while another schema's migration holds its lock: %v", err)
 	}
 }
