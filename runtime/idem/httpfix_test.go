@@ -284,17 +284,7 @@ func TestWaitingDuplicatesReplayTheCompletedResponse(t *testing.T) {
 // the result is the current schema with every index and the trigger.
 func TestMigrateUpgradeUnderLoadFromManyProcesses(t *testing.T) {
 	t.Parallel()
-	old, err := os.ReadFile("testdata/schema-817b008.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dbURL := pgtest.Schema(t)
-	pool, err := pgxpool.New(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	pgtest.Exec(t, pool, string(old))
+	dbURL, pool := oldSchema(t)
 	// Requests in flight: a claim and a consumed event, uncommitted, holding
 	// ROW EXCLUSIVE on their tables. (Not an outbox insert: this upgrade
 	// builds a new index on idem_outbox, idem_outbox_parked, which must wait
@@ -451,4 +441,22 @@ func TestMigrateLockIsPerSchema(t *testing.T) {
 	if err := idem.Migrate(ctx, fresh); err != nil {
 		t.Fatalf("Migrate of a fresh schema while another schema's migration holds its lock: %v", err)
 	}
+}
+
+// oldSchema returns a fresh schema holding the first release's tables
+// (testdata/schema-817b008.sql), for the upgrade tests, and a pool on it.
+func oldSchema(t *testing.T) (dbURL string, pool *pgxpool.Pool) {
+	t.Helper()
+	old, err := os.ReadFile("testdata/schema-817b008.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dbURL = pgtest.Schema(t)
+	pool, err = pgxpool.New(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	pgtest.Exec(t, pool, string(old))
+	return dbURL, pool
 }

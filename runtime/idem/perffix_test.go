@@ -6,7 +6,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -344,17 +343,7 @@ func TestNetworkDownDuringPipelinedCommitAnswersOutcomeUnknown(t *testing.T) {
 // distinct.
 func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
 	t.Parallel()
-	old, err := os.ReadFile("testdata/schema-817b008.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dbURL := pgtest.Schema(t)
-	pool, err := pgxpool.New(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	pgtest.Exec(t, pool, string(old))
+	dbURL, pool := oldSchema(t)
 
 	stop := make(chan struct{})
 	var inserted atomic.Int64
