@@ -409,9 +409,7 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 		if !t.valid() {
 			return leaseCause(t)
 		}
-		bctx, done := r.tel.RelayBatchStart(ctx)
-		res := r.relayBatch(trace.ContextWithSpan(t.ctx, trace.SpanFromContext(bctx)), t, log)
-		done(res.published, res.failed, res.parked, errors.Join(res.err, res.stepDown))
+		res := r.relayBatch(t, log)
 		if res.stepDown != nil {
 			return res.stepDown
 		}
@@ -504,7 +502,7 @@ type batchResult struct {
 // claimed, the batch is finished even if Run's ctx is cancelled meanwhile:
 // the publish is bounded by PublishTimeout and the term, the marks are
 // retried until they succeed or the term ends.
-func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) batchResult {
+func (r *Relay) relayBatch(t *term, log *slog.Logger) (res batchResult) {
 	dctx, cancel := r.dbCtx()
 	rows, err := db.New(r.store.pool).ClaimOutboxBatch(dctx, db.ClaimOutboxBatchParams{
 		Name: leaseName, BatchSize: int32(r.cfg.BatchSize), ClaimToken: pgtype.Text{String: t.token, Valid: true},
@@ -517,6 +515,11 @@ func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) b
 	if len(rows) == 0 {
 		return batchResult{}
 	}
+	// One span per batch that claimed rows (an idle poll is no batch). Its
+	// context is t.ctx, so a traced Publisher's spans (franz-go's kotel
+	// hooks) are its children and a lost lease still cancels the publish.
+	spanCtx, done := r.tel.RelayBatchStart(t.ctx)
+	defer func() { done(res.published, res.failed, res.parked, res.stepDown) }()
 	if h := relayhook.AfterClaim; h != nil {
 		h()
 	}
@@ -550,8 +553,6 @@ func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) b
 	}
 	var sent []error
 	if len(send) > 0 {
-		// spanCtx is t.ctx carrying the batch's span, so a traced
-		// Publisher's spans (franz-go's kotel hooks) are its children.
 		pctx, cancel := context.WithTimeout(spanCtx, r.cfg.PublishTimeout)
 		sent = r.pub.Publish(pctx, send)
 		cancel()
@@ -576,7 +577,7 @@ func (r *Relay) relayBatch(spanCtx context.Context, t *term, log *slog.Logger) b
 	crash.Point(t.ctx, "relay.after-publish")
 
 	out := outcome(msgs, errs)
-	res := batchResult{claimed: len(rows), outage: out.outage, noneAcked: out.noneAcked, firstErr: out.firstErr}
+	res = batchResult{claimed: len(rows), outage: out.outage, noneAcked: out.noneAcked, firstErr: out.firstErr}
 	published, failed := len(out.acked), len(out.failed)
 	if err := r.recordUntilDone(t, &out, log); err != nil {
 		res.stepDown = err
