@@ -215,8 +215,9 @@ type ProcessorConfig struct {
 	// the record: the processor waits until the database answers or the
 	// context ends. Default 100ms doubling to 5s.
 	Outage Backoff
-	// StorageTimeout bounds each of the processor's own statements (BEGIN,
-	// the dedupe insert, COMMIT, dead-letter writes), so a database that
+	// StorageTimeout bounds each of the processor's own round trips
+	// (acquiring a connection and BEGIN with the dedupe insert, sent as one
+	// pipeline; COMMIT; dead-letter writes), so a database that
 	// keeps the connection open but never answers is noticed and waited out
 	// like one that refuses connections. The handler's own statements are
 	// bounded by the context (revoke, shutdown). Default 10s.
@@ -379,38 +380,39 @@ func (p *Processor) storageCtx(ctx context.Context) (context.Context, context.Ca
 	return context.WithTimeout(ctx, p.cfg.StorageTimeout)
 }
 
-// applyOnce is one attempt: BEGIN; (when replaying, mark the dead letter
-// replayed); insert the processed-event row (a conflict means a duplicate);
-// run the handler; COMMIT. Errors of the processor's own statements are
+// applyOnce is one attempt: BEGIN (with its setting); when replaying, mark
+// the dead letter replayed; insert the processed-event row (a conflict means
+// a duplicate) — all in one pipelined round trip — then run the handler and
+// COMMIT: 3 round trips for an applied record, as many as a bare handler's
+// BEGIN │ INSERT │ COMMIT. Errors of the processor's own statements are
 // *storageError; the handler's are returned as they are.
 func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record, ev any, id string, replayID int64) (Outcome, error) {
 	sctx, cancel := p.storageCtx(ctx)
-	tx, err := p.pool.BeginTx(sctx, dbx.BoundedBegin(pgx.TxOptions{}, 0, 0, max(p.cfg.IdleInTransactionTimeout, 0)))
-	cancel()
+	defer cancel()
+	conn, err := p.pool.Acquire(sctx)
 	if err != nil {
-		return 0, &storageError{op: "begin", err: err}
+		return 0, &storageError{op: "acquire connection", err: err}
 	}
-	defer rollback(ctx, tx)
-	q := db.New(tx)
-	if replayID != 0 {
-		sctx, cancel := p.storageCtx(ctx)
-		n, err := q.MarkDeadLetterReplayed(sctx, replayID)
-		cancel()
-		if err != nil {
-			return 0, &storageError{op: "mark dead letter replayed", err: err}
-		}
-		if n == 0 {
-			return 0, ErrDeadLetterReplayed
-		}
-	}
-	sctx, cancel = p.storageCtx(ctx)
-	n, err := q.InsertProcessedEvent(sctx, db.InsertProcessedEventParams{
+	// Released after the rollback below (defers run last first): the
+	// connection goes back to the pool outside any transaction, and pgxpool
+	// destroys one left in a transaction or broken instead of reusing it.
+	defer conn.Release()
+	r, err := dbx.BeginRecordEvent(sctx, conn.Conn(), max(p.cfg.IdleInTransactionTimeout, 0), replayID, db.InsertProcessedEventParams{
 		Context: h.Context, EventID: id, Topic: rec.Topic, Kpartition: rec.Partition, Koffset: rec.Offset,
 	})
 	cancel()
-	if err != nil {
-		return 0, &storageError{op: "record processed event", err: err}
+	tx := r.Tx
+	defer rollback(ctx, tx)
+	if replayID != 0 && r.Marked == 0 {
+		// Replayed already (earlier, or by a concurrent replay whose row
+		// lock the mark waited for): the insert pipelined after the mark is
+		// rolled back with it.
+		return 0, ErrDeadLetterReplayed
 	}
+	if err != nil {
+		return 0, pipelineError(err)
+	}
+	n := r.Inserted
 	outcome := Duplicate
 	if n == 1 {
 		if err := safeCall(eventContext(ctx, h, id), h, tx, ev); err != nil {
@@ -428,6 +430,16 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		return 0, err
 	}
 	return outcome, nil
+}
+
+// pipelineError is the failure of the statements dbx pipelines before the
+// handler, as a *storageError naming the one that failed.
+func pipelineError(err error) error {
+	var se *dbx.StepError
+	if errors.As(err, &se) {
+		return &storageError{op: se.Op, err: se.Err}
+	}
+	return &storageError{op: "begin", err: err}
 }
 
 // commitGrace is how long a COMMIT already sent may still take after the
@@ -541,19 +553,19 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 		events[i], ids[i], offsets[i] = ev, id, rec.Offset
 	}
 	sctx, cancel := p.storageCtx(ctx)
-	tx, err := p.pool.BeginTx(sctx, dbx.BoundedBegin(pgx.TxOptions{}, 0, 0, max(p.cfg.IdleInTransactionTimeout, 0)))
-	cancel()
+	defer cancel()
+	conn, err := p.pool.Acquire(sctx)
 	if err != nil {
-		return nil, &storageError{op: "begin", err: err}
+		return nil, &storageError{op: "acquire connection", err: err}
 	}
-	defer rollback(ctx, tx)
-	sctx, cancel = p.storageCtx(ctx)
-	fresh, err := db.New(tx).InsertProcessedEvents(sctx, db.InsertProcessedEventsParams{
+	defer conn.Release() // after the rollback, as in applyOnce
+	tx, fresh, err := dbx.BeginRecordEvents(sctx, conn.Conn(), max(p.cfg.IdleInTransactionTimeout, 0), db.InsertProcessedEventsParams{
 		Context: h.Context, EventIds: ids, Topic: recs[0].Topic, Kpartition: recs[0].Partition, Koffsets: offsets,
 	})
 	cancel()
+	defer rollback(ctx, tx)
 	if err != nil {
-		return nil, &storageError{op: "record processed events", err: err}
+		return nil, pipelineError(err)
 	}
 	isNew := make(map[string]bool, len(fresh))
 	for _, id := range fresh {

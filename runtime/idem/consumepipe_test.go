@@ -1,0 +1,234 @@
+package idem_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/benchkit"
+	"github.com/idemgen/idemgen/internal/faultproxy"
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// Issue 11: the consumer sends BEGIN, its setting and the dedupe insert as
+// one pipeline. Counted on the wire (pgx's statement cache warm), an applied
+// record costs BEGIN+settings+dedupe insert │ the handler's INSERT │ COMMIT:
+// 3, as many as the bare handler's BEGIN │ INSERT │ COMMIT (it was 4). A
+// duplicate costs the pipeline │ ROLLBACK: 2 (was 3). A batch of n records
+// costs the pipeline │ n handler INSERTs │ COMMIT (was one more). The minimum
+// over a few records is taken: the pool pings a connection that sat idle
+// over a second, which is not the record's cost.
+func TestConsumerRoundTripsOnTheWire(t *testing.T) {
+	t.Parallel()
+	var rt benchkit.RoundTrips
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1; c.ConnConfig.DialFunc = rt.Dial })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	p := processor(t, idem.NewStore(pool), 1)
+	h := handler(insertEffect)
+	rec := func(id string) *idem.Record {
+		return &idem.Record{Topic: "events", Value: fmt.Appendf(nil, `{"id":%q,"amount":1}`, id)}
+	}
+	trips := func(op func(i int)) int64 {
+		t.Helper()
+		best := int64(1 << 30)
+		for i := range 5 {
+			before := rt.Count()
+			op(i)
+			best = min(best, rt.Count()-before)
+		}
+		return best
+	}
+	// Warm the statement cache, in both modes.
+	processBounded(t, p, &h, rec("warm"))
+	if _, err := p.ProcessBatch(context.Background(), &h, []*idem.Record{rec("warm-b1"), rec("warm-b2")}); err != nil {
+		t.Fatal(err)
+	}
+
+	applied := trips(func(i int) {
+		if o := processBounded(t, p, &h, rec(fmt.Sprintf("rt-%d", i))); o != idem.Applied {
+			t.Fatalf("outcome %v, want applied", o)
+		}
+	})
+	duplicate := trips(func(int) {
+		if o := processBounded(t, p, &h, rec("warm")); o != idem.Duplicate {
+			t.Fatalf("outcome %v, want duplicate", o)
+		}
+	})
+	const batch = 10
+	batched := trips(func(i int) {
+		recs := make([]*idem.Record, batch)
+		for j := range recs {
+			recs[j] = rec(fmt.Sprintf("rt-b%d-%d", i, j))
+		}
+		outcomes, err := p.ProcessBatch(context.Background(), &h, recs)
+		if err != nil || len(outcomes) != batch || outcomes[batch-1] != idem.Applied {
+			t.Fatalf("batch: %v, %v", outcomes, err)
+		}
+	})
+	if applied != 3 {
+		t.Errorf("applied record: %d round trips, want 3", applied)
+	}
+	if duplicate != 2 {
+		t.Errorf("duplicate: %d round trips, want 2", duplicate)
+	}
+	if batched != batch+2 {
+		t.Errorf("batch of %d: %d round trips, want %d", batch, batched, batch+2)
+	}
+}
+
+// Issue 11: an event id PostgreSQL cannot store fails the dedupe insert
+// inside the pipeline (22021). It is still the record's failure, named as
+// the dedupe insert's, and dead-lettered; the aborted transaction is rolled
+// back before the connection goes back to the pool, so the pool keeps its
+// one connection (a connection released in a transaction is destroyed) and
+// the next record is applied on it.
+func TestPipelinedDedupeInsertDataError(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	store := idem.NewStore(pool)
+	p := processor(t, store, 2)
+	h := handler(insertEffect)
+	pid := func() (pid uint32) {
+		t.Helper()
+		c, err := pool.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Release()
+		if s := c.Conn().PgConn().TxStatus(); s != 'I' {
+			t.Fatalf("pooled connection in transaction status %q", s)
+		}
+		return c.Conn().PgConn().PID()
+	}
+	processBounded(t, p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"before","amount":1}`)})
+	first, conns := pid(), pool.Stat().NewConnsCount()
+
+	if o := processBounded(t, p, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"a\u0000b","amount":1}`)}); o != idem.DeadLettered {
+		t.Fatalf("outcome %v, want dead-lettered", o)
+	}
+	dl, err := store.DeadLetter(context.Background(), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(dl.LastError, "record processed event: ") || !strings.Contains(dl.LastError, "22021") || dl.Attempts != 2 {
+		t.Fatalf("dead letter: attempts %d, error %q; want 2 attempts of the dedupe insert failing with 22021", dl.Attempts, dl.LastError)
+	}
+	if got := pid(); got != first || pool.Stat().NewConnsCount() != conns {
+		t.Fatalf("the connection was replaced (pid %d, was %d; %d connections made, was %d): released in a transaction",
+			got, first, pool.Stat().NewConnsCount(), conns)
+	}
+	if o := processBounded(t, p, &h, &idem.Record{Topic: "events", Offset: 2, Value: []byte(`{"id":"after","amount":1}`)}); o != idem.Applied {
+		t.Fatalf("next record: %v, want applied", o)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 2 {
+		t.Fatalf("%d effects, want 2", n)
+	}
+}
+
+// Issue 11: the pipeline against a blackholed database (the connection open,
+// nothing answered) ends at StorageTimeout, not at the record's context, and
+// is an outage: waited out with no attempt used, so with a budget of one
+// attempt the record is applied once the database is back, not
+// dead-lettered.
+func TestPipelineBlackholedIsBoundedOutage(t *testing.T) {
+	t.Parallel()
+	url := pgtest.Schema(t)
+	ctx := context.Background()
+	direct, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(direct.Close)
+	if err := idem.Migrate(ctx, direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	px := faultproxy.New(t, faultproxy.PostgresTarget(url))
+	cfg, err := pgxpool.ParseConfig(px.RewriteURL(url))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	proxied, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proxied.Close)
+	var logs lockedBuffer
+	p, err := idem.NewProcessor(idem.NewStore(proxied), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 1},
+		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		StorageTimeout: 300 * time.Millisecond,
+		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := handler(insertEffect)
+	// The pool's one connection is open and was used just now: the next
+	// record's pipeline goes out on it, into the blackhole.
+	processBounded(t, p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"warm","amount":1}`)})
+	px.Blackhole()
+
+	// The record's context is far longer than the test waits: only
+	// StorageTimeout can end the tries.
+	rctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	type result struct {
+		o   idem.Outcome
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		o, err := p.Process(rctx, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"e1","amount":1}`)})
+		done <- result{o, err}
+	}()
+	waits := func() int { return strings.Count(logs.String(), "storage unavailable; waiting, no attempt used") }
+	deadline := time.Now().Add(20 * time.Second)
+	for waits() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no outage waits in 20s with a StorageTimeout of 300ms; logs:\n%s", logs.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The first try was the pipeline on the open connection, bounded by
+	// the storage timeout.
+	var first string
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(line, "storage unavailable") {
+			first = line
+			break
+		}
+	}
+	if !strings.Contains(first, `err="begin: `) {
+		t.Fatalf("first outage is not the pipeline's: %s", first)
+	}
+	px.Restore()
+	select {
+	case r := <-done:
+		if r.err != nil || r.o != idem.Applied {
+			t.Fatalf("after the blackhole: %v, %v; want applied (an outage uses no attempt)", r.o, r.err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("not applied within 30s of the database coming back")
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Fatalf("%d dead letters for an outage", n)
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE event_id = 'e1'`); n != 1 {
+		t.Fatalf("%d effects for e1, want 1", n)
+	}
+}

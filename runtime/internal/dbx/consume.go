@@ -1,0 +1,148 @@
+package dbx
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemgen/idemgen/runtime/internal/db"
+)
+
+// StepError is the failure of one statement of a pipelined batch. Op names
+// the statement ("begin", "record processed event", ...) so that the caller
+// can report what failed as if the statements had been sent one by one; a
+// failure that no single statement's answer carried (the connection failing
+// after every answer was read) names them all, joined by " and ".
+type StepError struct {
+	Op  string
+	Err error
+}
+
+func (e *StepError) Error() string { return e.Op + ": " + e.Err.Error() }
+func (e *StepError) Unwrap() error { return e.Err }
+
+// RecordedEvent is what BeginRecordEvent read.
+type RecordedEvent struct {
+	// Tx is the transaction begun, never nil. It is closed (every method
+	// returns pgx.ErrTxClosed) if BEGIN itself failed; otherwise it is to
+	// be committed or rolled back as usual, also after an error (the
+	// transaction is then aborted).
+	Tx pgx.Tx
+	// Marked is MarkDeadLetterReplayed's row count: -1 when it was not
+	// queued (no replay) or its answer was not read (an earlier statement
+	// failed).
+	Marked int64
+	// Inserted is InsertProcessedEvent's row count: 0 for a duplicate, or
+	// when its answer was not read.
+	Inserted int64
+}
+
+// BeginRecordEvent begins a transaction on conn and, in the same pipelined
+// round trip, runs SetIdleInTransactionTimeout (when idle is positive),
+// MarkDeadLetterReplayed (when replayID is not 0) and InsertProcessedEvent:
+// the consumer's per-record statements before its handler, which sent one
+// by one cost a round trip each. The server runs them in order and skips
+// the rest at the first failure, so a failure leaves the transaction
+// aborted (or, if BEGIN failed, not begun); the error is a *StepError
+// naming the statement that failed.
+//
+// Unlike BoundedBegin's, the setting here is a prepared statement with a
+// parameter like the others: in a pipeline nothing is gained by folding it
+// into the begin query, and pgx's default exec mode prepares (once per
+// connection) and caches every statement of a batch.
+func BeginRecordEvent(ctx context.Context, conn *pgx.Conn, idle time.Duration, replayID int64, arg db.InsertProcessedEventParams) (RecordedEvent, error) {
+	res := RecordedEvent{Marked: -1}
+	var steps []step
+	if replayID != 0 {
+		steps = append(steps, step{op: "mark dead letter replayed", sql: db.MarkDeadLetterReplayed, args: []any{replayID},
+			read: func(br pgx.BatchResults) error {
+				ct, err := br.Exec()
+				if err == nil {
+					res.Marked = ct.RowsAffected()
+				}
+				return err
+			}})
+	}
+	steps = append(steps, step{op: "record processed event", sql: db.InsertProcessedEvent,
+		args: []any{arg.Context, arg.EventID, arg.Topic, arg.Kpartition, arg.Koffset},
+		read: func(br pgx.BatchResults) error {
+			ct, err := br.Exec()
+			if err == nil {
+				res.Inserted = ct.RowsAffected()
+			}
+			return err
+		}})
+	tx, err := beginPipelined(ctx, conn, idle, steps)
+	res.Tx = tx
+	return res, err
+}
+
+// BeginRecordEvents is BeginRecordEvent for a batch of records of one
+// partition: it begins a transaction on conn and, in the same round trip,
+// runs SetIdleInTransactionTimeout (when idle is positive) and
+// InsertProcessedEvents, returning the event ids that were new. tx and the
+// error are as in BeginRecordEvent.
+func BeginRecordEvents(ctx context.Context, conn *pgx.Conn, idle time.Duration, arg db.InsertProcessedEventsParams) (tx pgx.Tx, fresh []string, err error) {
+	tx, err = beginPipelined(ctx, conn, idle, []step{{op: "record processed events", sql: db.InsertProcessedEvents,
+		args: []any{arg.Context, arg.EventIds, arg.Topic, arg.Kpartition, arg.Koffsets},
+		read: func(br pgx.BatchResults) error {
+			rows, err := br.Query()
+			if err != nil {
+				rows.Close()
+				return err
+			}
+			fresh, err = pgx.CollectRows(rows, pgx.RowTo[string])
+			return err
+		}}})
+	return tx, fresh, err
+}
+
+// step is one statement queued after BEGIN, and how its answer is read.
+type step struct {
+	op   string
+	sql  string
+	args []any
+	read func(pgx.BatchResults) error
+}
+
+// beginPipelined sends BEGIN, the idle-in-transaction setting and steps as
+// one batch and reads their answers in order. The transaction is returned
+// whatever happened (closed if BEGIN failed or was never sent); the batch is
+// always closed, so conn is usable again unless pgx closed it.
+func beginPipelined(ctx context.Context, conn *pgx.Conn, idle time.Duration, steps []step) (pgx.Tx, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	begin := []step{{op: "begin", read: execOnly}}
+	if idle > 0 {
+		ms := strconv.FormatInt(max(idle.Milliseconds(), 1), 10) + "ms" // 0 would mean "no timeout"
+		begin = append(begin, step{op: "begin", sql: db.SetIdleInTransactionTimeout, args: []any{ms}, read: execOnly})
+	}
+	all := append(begin, steps...)
+	for _, s := range all[1:] {
+		b.Queue(s.sql, s.args...)
+	}
+	br := conn.SendBatch(ctx, b)
+	tx := br.Tx()
+	for _, s := range all {
+		if err := s.read(br); err != nil {
+			_ = br.Close() // reports err again; the transaction is now aborted or closed
+			return tx, &StepError{Op: s.op, Err: err}
+		}
+	}
+	if err := br.Close(); err != nil {
+		ops := []string{"begin"}
+		for _, s := range steps {
+			ops = append(ops, s.op)
+		}
+		return tx, &StepError{Op: strings.Join(ops, " and "), Err: err}
+	}
+	return tx, nil
+}
+
+func execOnly(br pgx.BatchResults) error {
+	_, err := br.Exec()
+	return err
+}
