@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemgen/idemgen/runtime/internal/db"
 )
@@ -26,6 +25,8 @@ import (
 // session after idle. The begin statement and the settings go as one
 // simple-protocol query (BEGIN keeps the transaction open past it); the
 // values are inlined as literals of digits, the only values they can hold.
+// It is for a transaction that cannot be Pipelined (a custom BeginQuery);
+// Begin and BeginClaim send the same settings as prepared statements.
 func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck, idle time.Duration) pgx.TxOptions {
 	q := beginSQL(opts)
 	if lockTimeout > 0 {
@@ -78,23 +79,7 @@ func beginSQL(opts pgx.TxOptions) string {
 // replay) none of these statements writes or locks anything.
 func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
-	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		claimed = claimed || ct.RowsAffected() == 1
-		return nil
-	})
-	b.Queue(db.TakeOverExpiredKey, arg.Fingerprint, arg.TtlSeconds, arg.Scope, arg.Principal, arg.Key, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		claimed = claimed || ct.RowsAffected() == 1
-		return nil
-	})
-	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
-		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return nil
-		}
-		found = err == nil
-		return err
-	})
-	b.Queue(db.RestoreLockTimeout)
+	queueClaim(b, arg, &claimed, &found, &row)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return false, false, db.GetKeyRow{}, err
 	}
