@@ -604,8 +604,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 // (a live row), or returns errElsewhere (in flight in another transaction).
 func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key, deadline time.Time, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	tx, conn, c, err := h.begin(ctx, deadline, &db.ClaimKeyParams{
-		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
-		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
+		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, LockID: stored.lockID(),
 	})
 	if err != nil {
 		return nil, err
@@ -619,8 +618,8 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	}()
 	if !c.claimed {
 		if c.found && c.row.Live {
-			// The claim read the row and wrote nothing (ClaimKey locks no
-			// live row): the client gets its replay now, and the empty
+			// The claim read the row and wrote nothing (ClaimKey takes no
+			// lock for a live row): the client gets its replay now, and the empty
 			// transaction ends in the background, a round trip it need
 			// not wait for. The connection returns to the pool after.
 			async = true
@@ -803,9 +802,9 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// The response is stored and the transaction committed in one
 		// round trip; a failed store skips the COMMIT (the transaction
 		// rolls back).
-		err = dbx.CompleteKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.CompleteKeyParams{
-			StatusCode: int32(out.status), Headers: headers, Body: body,
-			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
+		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.StoreKeyParams{
+			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
+			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
 		switch c := pgCode(err); {
 		case err == nil:
@@ -815,6 +814,12 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			// or running: it may have committed. Saying "nothing was done"
 			// could be false; a retry with the key is right either way.
 			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "store response and commit", err))
+		case c == "40001" || c == "40P01":
+			// Nothing committed: the key was completed by another
+			// transaction after this one's snapshot (StoreKey), or the
+			// COMMIT lost a serialization race. The next attempt replays
+			// or runs the function again.
+			return nil, errRetryClaim
 		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
 		case strings.HasPrefix(c, "22") || c == "54000":

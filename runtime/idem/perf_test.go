@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -310,5 +311,70 @@ func TestPipelinedClaimFailureLeavesConnectionClean(t *testing.T) {
 	}
 	if e.calls.Load() != 2 || e.effects() != 2 {
 		t.Fatalf("%d calls, %d effects, want 2 and 2", e.calls.Load(), e.effects())
+	}
+}
+
+// Issue 11: a first request writes its key row once, with the response
+// (StoreKey at completion), not a claim row at the start and an update
+// with the response at the end: in a new table the row is the page's first
+// tuple, where an insert followed by an update leaves it the second.
+func TestKeyRowWrittenOnce(t *testing.T) {
+	e := newEnv(t)
+	h := e.handler(idem.Endpoint{})
+	if r := do(h, "k-once", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	var ctid string
+	if err := e.pool.QueryRow(context.Background(), `SELECT ctid::text FROM idem_keys WHERE key = 'k-once'`).Scan(&ctid); err != nil {
+		t.Fatal(err)
+	}
+	if ctid != "(0,1)" {
+		t.Fatalf("key row at %s, want (0,1): written more than once", ctid)
+	}
+	if r := do(h, "k-once", body1); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %d %s", r.status, r.body)
+	}
+}
+
+// Issue 11: the key's row is written at completion, so a row that appears
+// while the function runs (written by something that did not take the key's
+// advisory lock: a runtime of an older version, a hand-made repair) must not
+// let the effect commit next to it. StoreKey finds it live and fails with a
+// serialization failure, the effect rolls back, and the retry replays the
+// row that is there: the effect is not doubled.
+func TestStoreKeyRefusesARowCompletedElsewhere(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	var once sync.Once
+	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
+		once.Do(func() {
+			pgtest.Exec(t, e.pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+				SELECT 'test.charge', '', 'k-elsewhere', fingerprint, 201, '{"Content-Type":["application/json"]}', '{"elsewhere":true}', now() + interval '1 hour'
+				FROM (SELECT '\x00'::bytea AS fingerprint) f`)
+		})
+		return nil
+	}
+	h := e.handler(idem.Endpoint{Wait: 2 * time.Second})
+	r := do(h, "k-elsewhere", body1)
+	if e.effects() != 0 {
+		t.Fatalf("%d effects committed next to a key completed elsewhere, want 0", e.effects())
+	}
+	if e.keys() != 1 {
+		t.Fatalf("%d key rows, want 1", e.keys())
+	}
+	var body string
+	if err := e.pool.QueryRow(ctx, `SELECT convert_from(body, 'UTF8') FROM idem_keys WHERE key = 'k-elsewhere'`).Scan(&body); err != nil {
+		t.Fatal(err)
+	}
+	if body != `{"elsewhere":true}` {
+		t.Fatalf("stored body %s: the row written elsewhere was overwritten", body)
+	}
+	// The retry found the row; its fingerprint is not this request's, so
+	// the answer is the mismatch (422), not a second run.
+	if r.status != http.StatusUnprocessableEntity {
+		t.Fatalf("answer %d %s, want 422 (the key was used with another body)", r.status, r.body)
+	}
+	if e.calls.Load() != 1 {
+		t.Fatalf("function ran %d times, want 1", e.calls.Load())
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemgen/idemgen/runtime/internal/db"
 )
@@ -33,23 +32,22 @@ func Pipelined(opts pgx.TxOptions) bool {
 }
 
 // queueBegin makes BEGIN (with opts) and the settings s the first queries
-// of b. Each setting is a prepared statement with its value as a parameter,
-// so nothing is parsed again on a connection that has run it before.
+// of b. The settings are one prepared statement with their values as
+// parameters, so nothing is parsed again on a connection that has run it
+// before.
 func queueBegin(b *pgx.Batch, opts pgx.TxOptions, s Settings) {
 	b.BeginTx(opts)
-	if s.LockTimeout > 0 {
-		b.Queue(db.SetLockTimeout, ms(s.LockTimeout)) // 0 would mean "wait forever": ms rounds up
-	}
-	if s.ConnCheck > 0 {
-		b.Queue(db.SetConnectionCheck, ms(s.ConnCheck))
-	}
-	if s.Idle > 0 {
-		b.Queue(db.SetIdleInTransactionTimeout, ms(s.Idle))
+	if s != (Settings{}) {
+		b.Queue(db.SetTxSettings, ms(s.LockTimeout), ms(s.ConnCheck), ms(s.Idle))
 	}
 }
 
-// ms renders d as a PostgreSQL duration in whole milliseconds, at least 1.
+// ms renders d as a PostgreSQL duration in whole milliseconds, at least 1
+// (0 would mean "no limit"), or "" for 0: leave the setting alone.
 func ms(d time.Duration) string {
+	if d <= 0 {
+		return ""
+	}
 	return strconv.FormatInt(max(d.Milliseconds(), 1), 10) + "ms"
 }
 
@@ -68,34 +66,32 @@ func Begin(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings) 
 
 // BeginClaim begins a transaction on conn with the settings s and runs the
 // claim of ClaimKeyRestore in the same round trip: BEGIN, the settings,
-// ClaimKey, TakeOverExpiredKey, GetKey and RestoreLockTimeout are pipelined,
-// so a replay is answered after one round trip and a first request's
-// function runs after one. opts must be Pipelined. The results are as
-// ClaimKeyRestore's; on error the returned transaction, when not nil, must
-// still be rolled back, as Begin's.
+// ClaimKey, LockExpiredKey, GetKey and RestoreLockTimeout are pipelined, so a replay is
+// answered after one round trip and a first request's function runs after
+// one. opts must be Pipelined. The results are as ClaimKeyRestore's; on
+// error the returned transaction, when not nil, must still be rolled back,
+// as Begin's.
 func BeginClaim(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings, arg db.ClaimKeyParams) (tx pgx.Tx, claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
 	queueBegin(b, opts, s)
 	queueClaim(b, arg, &claimed, &found, &row)
 	br := conn.SendBatch(ctx, b)
-	err = br.Close()
-	if err != nil {
+	if err := br.Close(); err != nil {
 		return br.Tx(), false, false, db.GetKeyRow{}, err
 	}
-	return br.Tx(), claimed, found, row, nil
+	return br.Tx(), claimed && !(found && row.Live), found, row, nil
 }
 
 // queueClaim queues the claim's statements (see ClaimKeyRestore), which set
-// claimed, found and row as their results are read.
-func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, claimed, found *bool, row *db.GetKeyRow) {
-	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		*claimed = *claimed || ct.RowsAffected() == 1
-		return nil
+// locked (ClaimKey took the key's lock), found and row as their results are
+// read. The caller's claim is locked && !(found && row.Live): a live row
+// GetKey sees is the key's answer even when the lock was free (it was
+// completed between ClaimKey's snapshot and the lock).
+func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, locked, found *bool, row *db.GetKeyRow) {
+	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.LockID).QueryRow(func(r pgx.Row) error {
+		return r.Scan(locked)
 	})
-	b.Queue(db.TakeOverExpiredKey, arg.Fingerprint, arg.TtlSeconds, arg.Scope, arg.Principal, arg.Key, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		*claimed = *claimed || ct.RowsAffected() == 1
-		return nil
-	})
+	b.Queue(db.LockExpiredKey, arg.Scope, arg.Principal, arg.Key, arg.LockID)
 	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
 		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
 		if errors.Is(err, pgx.ErrNoRows) {
