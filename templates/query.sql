@@ -77,6 +77,25 @@ SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())
 FROM idem_keys
 WHERE scope = @scope AND principal = @principal AND key = @key;
 
+-- name: ClaimKeyRow :exec
+-- Sent only when the transaction's snapshot is older than the claim's lock
+-- (repeatable read, serializable, or a custom BEGIN the runtime cannot
+-- read), after GetKey. A row committed between that snapshot and the lock
+-- is invisible to ClaimKey and GetKey, which then see a free key; this
+-- INSERT finds it through the unique index and fails with a serialization
+-- failure (40001) before the function runs, so the function never runs a
+-- second time for a completed key. When there is no such row it writes a
+-- claim row visible only to this transaction (already expired, so StoreKey
+-- replaces it). Under read committed GetKey's fresh snapshot sees the row,
+-- and nothing is written before completion.
+INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
+SELECT @scope, @principal, @key, '\x'::bytea, now()
+WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
+                        WHERE k.scope = @scope AND k.principal = @principal AND k.key = @key AND k.expires_at > now())
+           THEN false
+           ELSE pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) END
+ON CONFLICT (scope, principal, key) DO NOTHING;
+
 -- name: StoreKey :exec
 -- Stores the response of the key this transaction claimed, in the
 -- transaction that made the effect: a new row, or an expired one taken

@@ -721,7 +721,7 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 	if err != nil || claim == nil {
 		return tx, c, err
 	}
-	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, *claim)
+	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), *claim)
 	return tx, c, err
 }
 

@@ -143,6 +143,43 @@ func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (bool, error
 	return claimed, err
 }
 
+const ClaimKeyRow = `-- name: ClaimKeyRow :exec
+INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
+SELECT $1, $2, $3, '\x'::bytea, now()
+WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
+                        WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3 AND k.expires_at > now())
+           THEN false
+           ELSE pg_try_advisory_xact_lock($4::bigint # 'idem_keys'::regclass::oid::bigint) END
+ON CONFLICT (scope, principal, key) DO NOTHING
+`
+
+type ClaimKeyRowParams struct {
+	Scope     string
+	Principal string
+	Key       string
+	LockID    int64
+}
+
+// Sent only when the transaction's snapshot is older than the claim's lock
+// (repeatable read, serializable, or a custom BEGIN the runtime cannot
+// read), after GetKey. A row committed between that snapshot and the lock
+// is invisible to ClaimKey and GetKey, which then see a free key; this
+// INSERT finds it through the unique index and fails with a serialization
+// failure (40001) before the function runs, so the function never runs a
+// second time for a completed key. When there is no such row it writes a
+// claim row visible only to this transaction (already expired, so StoreKey
+// replaces it). Under read committed GetKey's fresh snapshot sees the row,
+// and nothing is written before completion.
+func (q *Queries) ClaimKeyRow(ctx context.Context, arg ClaimKeyRowParams) error {
+	_, err := q.db.Exec(ctx, ClaimKeyRow,
+		arg.Scope,
+		arg.Principal,
+		arg.Key,
+		arg.LockID,
+	)
+	return err
+}
+
 const ClaimOutboxBatch = `-- name: ClaimOutboxBatch :many
 WITH l AS (
     SELECT 1 FROM idem_relay_leader

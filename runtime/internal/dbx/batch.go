@@ -78,12 +78,14 @@ func beginSQL(opts pgx.TxOptions) string {
 // the key's row, exists: live, it is the stored response; absent or
 // expired, the key is in flight in another transaction. GetKey runs after
 // ClaimKey took the lock, so under read committed its fresh snapshot sees a
-// row committed by the lock's previous holder. For a live row (a replay)
-// none of these statements writes or locks anything.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
+// row committed by the lock's previous holder; under an older snapshot
+// rowCheck (SnapshotBeforeClaim) adds ClaimKeyRow, which fails with 40001
+// on such a row. For a live row (a replay) none of these statements writes
+// or locks anything.
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
 	var locked bool
-	queueClaim(b, arg, &locked, &found, &row)
+	queueClaim(b, arg, rowCheck, &locked, &found, &row)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return false, false, db.GetKeyRow{}, err
 	}

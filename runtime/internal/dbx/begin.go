@@ -74,7 +74,7 @@ func Begin(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings) 
 func BeginClaim(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings, arg db.ClaimKeyParams) (tx pgx.Tx, claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
 	queueBegin(b, opts, s)
-	queueClaim(b, arg, &claimed, &found, &row)
+	queueClaim(b, arg, SnapshotBeforeClaim(opts), &claimed, &found, &row)
 	br := conn.SendBatch(ctx, b)
 	if err := br.Close(); err != nil {
 		return br.Tx(), false, false, db.GetKeyRow{}, err
@@ -82,12 +82,25 @@ func BeginClaim(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Setti
 	return br.Tx(), claimed && !(found && row.Live), found, row, nil
 }
 
+// SnapshotBeforeClaim reports whether a transaction begun with opts reads
+// from a snapshot taken before the claim's lock (repeatable read,
+// serializable, or a custom BeginQuery, which may set either), so that the
+// claim must also check the unique index (ClaimKeyRow).
+func SnapshotBeforeClaim(opts pgx.TxOptions) bool {
+	switch opts.IsoLevel {
+	case "", pgx.ReadCommitted, pgx.ReadUncommitted:
+		return opts.BeginQuery != ""
+	}
+	return true
+}
+
 // queueClaim queues the claim's statements (see ClaimKeyRestore), which set
 // locked (ClaimKey took the key's lock), found and row as their results are
 // read. The caller's claim is locked && !(found && row.Live): a live row
 // GetKey sees is the key's answer even when the lock was free (it was
-// completed between ClaimKey's snapshot and the lock).
-func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, locked, found *bool, row *db.GetKeyRow) {
+// completed between ClaimKey's snapshot and the lock). With rowCheck
+// (SnapshotBeforeClaim), ClaimKeyRow follows GetKey.
+func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, found *bool, row *db.GetKeyRow) {
 	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.LockID).QueryRow(func(r pgx.Row) error {
 		return r.Scan(locked)
 	})
@@ -100,5 +113,8 @@ func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, locked, found *bool, row *d
 		*found = err == nil
 		return err
 	})
+	if rowCheck {
+		b.Queue(db.ClaimKeyRow, arg.Scope, arg.Principal, arg.Key, arg.LockID)
+	}
 	b.Queue(db.RestoreLockTimeout)
 }
