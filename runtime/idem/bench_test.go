@@ -124,6 +124,11 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i))
 	}
 	hb.call(b, hb.idemH, "same")
+	// The pool's 8 backends, whose CPU time is read around each phase.
+	pids, err := benchkit.BackendPIDs(context.Background(), hb.pool, 8)
+	if err != nil {
+		b.Fatal(err)
+	}
 
 	type kind struct {
 		name string
@@ -149,10 +154,11 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		}
 		lat := map[string][]time.Duration{}
 		wall := map[string]time.Duration{}
+		cpu := map[string]benchkit.CPU{}
 		var seq atomic.Int64
 		for range rounds {
 			for _, k := range kinds {
-				start := time.Now()
+				start, cpuStart := time.Now(), benchkit.ReadCPU(pids)
 				var mu sync.Mutex
 				var wg sync.WaitGroup
 				var left atomic.Int64
@@ -174,6 +180,8 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 				}
 				wg.Wait()
 				wall[k.name] += time.Since(start)
+				used := benchkit.ReadCPU(pids).Sub(cpuStart)
+				cpu[k.name] = benchkit.CPU{Client: cpu[k.name].Client + used.Client, Server: cpu[k.name].Server + used.Server}
 			}
 		}
 		thr := map[string]float64{}
@@ -206,6 +214,16 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 			Value: float64(p50["replay"]) / float64(p50["first"]), Detail: detail("replay", "replay-same")})
 		benchkit.Emit(benchkit.Row{Section: sec, Name: "replay/first throughput", Unit: "ratio",
 			Value: thr["replay"] / thr["first"]})
+		perReq := func(k string) (client, server float64) {
+			ops := float64(n * rounds)
+			return float64(cpu[k].Client.Microseconds()) / ops, float64(cpu[k].Server.Microseconds()) / ops
+		}
+		bc, bs := perReq("bare")
+		fc, fs := perReq("first")
+		rc, rs := perReq("replay")
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "first/bare CPU per request", Unit: "ratio",
+			Value: (fc + fs) / (bc + bs),
+			Detail: fmt.Sprintf("µs of CPU per request, client + PostgreSQL backends: bare %.0f + %.0f, first %.0f + %.0f, replay %.0f + %.0f", bc, bs, fc, fs, rc, rs)})
 		if c > 1 {
 			benchkit.Emit(benchkit.Row{Section: sec, Name: "same-key/distinct-key replay throughput", Unit: "ratio", Target: "≥ 0.95",
 				Value: thr["replay-same"] / thr["replay"]})
