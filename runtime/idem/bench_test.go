@@ -222,7 +222,7 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		fc, fs := perReq("first")
 		rc, rs := perReq("replay")
 		benchkit.Emit(benchkit.Row{Section: sec, Name: "first/bare CPU per request", Unit: "ratio",
-			Value: (fc + fs) / (bc + bs),
+			Value:  (fc + fs) / (bc + bs),
 			Detail: fmt.Sprintf("µs of CPU per request, client + PostgreSQL backends: bare %.0f + %.0f, first %.0f + %.0f, replay %.0f + %.0f", bc, bs, fc, fs, rc, rs)})
 		if c > 1 {
 			benchkit.Emit(benchkit.Row{Section: sec, Name: "same-key/distinct-key replay throughput", Unit: "ratio", Target: "≥ 0.95",
