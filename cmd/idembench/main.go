@@ -2,7 +2,7 @@
 // table of ratios, all measured in the same run. Run it from the module root:
 //
 //	go run ./cmd/idembench            # short mode, a few minutes
-//	go run ./cmd/idembench -long      # more rounds, and 1M rows of history
+//	go run ./cmd/idembench -long      # more rounds, 1M rows of history, 100k bursts, cold caches
 //	go run ./cmd/idembench -only http,relay
 //
 // Each benchmark (go test -bench, one iteration) prints its rows as lines
@@ -26,22 +26,26 @@ import (
 	"github.com/idemgen/idemgen/internal/benchkit"
 )
 
-// suite is one go test -bench invocation.
+// suite is one go test -bench invocation; in long mode, longBench (if set)
+// replaces bench.
 type suite struct {
-	name, pkg, bench string
+	name, pkg, bench, longBench string
 }
 
 var suites = []suite{
-	{"http", "./runtime/idem", "^BenchmarkHTTPSideBySide$"},
-	{"consumer", "./runtime/kafka", "^BenchmarkConsumerSideBySide$"},
-	{"relay", "./runtime/kafka", "^BenchmarkRelaySideBySide$"},
-	{"storage", "./runtime/idem", "^BenchmarkOutboxAtScale$"},
-	{"generator", "./generator", "^BenchmarkGenerateVsVet$"},
+	{name: "http", pkg: "./runtime/idem", bench: "^BenchmarkHTTPSideBySide$"},
+	{name: "consumer", pkg: "./runtime/kafka", bench: "^BenchmarkConsumerSideBySide$"},
+	{name: "relay", pkg: "./runtime/kafka", bench: "^BenchmarkRelaySideBySide$"},
+	{name: "rss", pkg: "./internal/rssbench", bench: "^BenchmarkPeakRSS$"},
+	{name: "storage", pkg: "./runtime/idem", bench: "^BenchmarkOutboxAtScale$"},
+	// The cold-cache run compiles the standard library and pgx twice
+	// (30–80 s each): long mode only.
+	{name: "generator", pkg: "./generator", bench: "^BenchmarkGenerateVsVet$", longBench: "^BenchmarkGenerateVsVet(Cold)?$"},
 }
 
 func main() {
 	long := flag.Bool("long", false, "long mode: more rounds, and the figures at 1M rows of history")
-	only := flag.String("only", "", "comma-separated suites to run (http, consumer, relay, storage, generator); empty: all")
+	only := flag.String("only", "", "comma-separated suites to run (http, consumer, relay, rss, storage, generator); empty: all")
 	verbose := flag.Bool("v", false, "also print the benchmarks' own output")
 	flag.Parse()
 	if err := run(*long, *only, *verbose, os.Stdout); err != nil {
@@ -100,7 +104,11 @@ func format(v float64) string {
 // runSuite runs one benchmark for one iteration (its rounds are inside) and
 // returns the rows it printed.
 func runSuite(s suite, long, verbose bool) ([]benchkit.Row, error) {
-	cmd := exec.Command("go", "test", "-count=1", "-run", "^$", "-bench", s.bench, "-benchtime", "1x", "-timeout", "60m", s.pkg)
+	bench := s.bench
+	if long && s.longBench != "" {
+		bench = s.longBench
+	}
+	cmd := exec.Command("go", "test", "-count=1", "-run", "^$", "-bench", bench, "-benchtime", "1x", "-timeout", "60m", s.pkg)
 	cmd.Env = os.Environ()
 	if long {
 		cmd.Env = append(cmd.Env, "IDEMBENCH_LONG=1")

@@ -18,3 +18,18 @@ func TestParseMetrics(t *testing.T) {
 		}
 	}
 }
+
+// The cold-cache benchmark's metrics become rows too, in seconds and a
+// ratio, without the warm figure's target.
+func TestParseMetricsCold(t *testing.T) {
+	rows := parseMetrics("generator", "BenchmarkGenerateVsVetCold-2 \t       1\t98000000000 ns/op\t        41.20 cold-check-s\t         0.8500 cold-check/vet\t        48.50 cold-vet-s")
+	want := map[string]string{"cold-check-s": "s", "cold-check/vet": "ratio", "cold-vet-s": "s"}
+	if len(rows) != len(want) {
+		t.Fatalf("%d rows, want %d: %+v", len(rows), len(want), rows)
+	}
+	for _, r := range rows {
+		if want[r.Name] != r.Unit || r.Target != "" || r.Value <= 0 {
+			t.Errorf("row %+v", r)
+		}
+	}
+}
