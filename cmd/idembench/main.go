@@ -62,6 +62,7 @@ func run(long bool, only string, verbose bool, out io.Writer) error {
 		}
 	}
 	var rows []benchkit.Row
+	var failed error
 	start := time.Now()
 	for _, s := range suites {
 		if len(want) > 0 && !want[s.name] {
@@ -73,7 +74,10 @@ func run(long bool, only string, verbose bool, out io.Writer) error {
 		fmt.Fprintf(os.Stderr, "idembench: %s (%s)...\n", s.name, s.pkg)
 		got, err := runSuite(s, long, verbose)
 		if err != nil {
-			return fmt.Errorf("suite %s: %w", s.name, err)
+			// The suites before it may have taken many minutes: their
+			// rows are still printed.
+			failed = fmt.Errorf("suite %s: %w", s.name, err)
+			break
 		}
 		rows = append(rows, got...)
 	}
@@ -81,14 +85,22 @@ func run(long bool, only string, verbose bool, out io.Writer) error {
 	if long {
 		mode = "long"
 	}
-	fmt.Fprintf(out, "idembench, %s mode, %s, %s\n\n", mode, time.Now().UTC().Format(time.DateTime+" UTC"), time.Since(start).Round(time.Second))
+	if failed != nil {
+		mode += " mode, INCOMPLETE (a suite failed, see below)"
+	} else {
+		mode += " mode"
+	}
+	fmt.Fprintf(out, "idembench, %s, %s, %s\n\n", mode, time.Now().UTC().Format(time.DateTime+" UTC"), time.Since(start).Round(time.Second))
 	tw := tabwriter.NewWriter(out, 0, 0, 1, ' ', tabwriter.Debug)
 	fmt.Fprintln(tw, " Section\t Measurement\t Value\t Unit\t Target\t Detail")
 	fmt.Fprintln(tw, " ---\t ---\t ---\t ---\t ---\t ---")
 	for _, r := range rows {
 		fmt.Fprintf(tw, " %s\t %s\t %s\t %s\t %s\t %s\n", r.Section, r.Name, format(r.Value), r.Unit, r.Target, r.Detail)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return failed
 }
 
 func format(v float64) string {

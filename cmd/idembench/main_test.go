@@ -1,6 +1,11 @@
 package main
 
-import "testing"
+import (
+	"strings"
+	"testing"
+
+	"github.com/idemgen/idemgen/internal/benchkit"
+)
 
 // A benchmark that only reports testing.B metrics (the generator's) becomes
 // rows: ratios named by their unit, seconds as "s", ns/op left out, and the
@@ -31,5 +36,30 @@ func TestParseMetricsCold(t *testing.T) {
 		if want[r.Name] != r.Unit || r.Target != "" || r.Value <= 0 {
 			t.Errorf("row %+v", r)
 		}
+	}
+}
+
+// BenchmarkOneRow is the suite TestRunPrintsRowsBeforeAFailure runs.
+func BenchmarkOneRow(b *testing.B) {
+	benchkit.Emit(benchkit.Row{Section: "Test", Name: "one row", Value: 1, Unit: "ratio"})
+}
+
+// A suite that fails does not lose the rows of the suites before it (a
+// long run's first suites take many minutes): they are printed, the table
+// is marked incomplete, and the error is returned.
+func TestRunPrintsRowsBeforeAFailure(t *testing.T) {
+	old := suites
+	t.Cleanup(func() { suites = old })
+	suites = []suite{
+		{name: "ok", pkg: ".", bench: "^BenchmarkOneRow$"},
+		{name: "broken", pkg: "./no-such-package", bench: "."},
+	}
+	var out strings.Builder
+	err := run(false, "", false, &out)
+	if err == nil || !strings.Contains(err.Error(), "suite broken") {
+		t.Fatalf("err = %v, want suite broken's", err)
+	}
+	if !strings.Contains(out.String(), "one row") || !strings.Contains(out.String(), "short mode, INCOMPLETE") {
+		t.Fatalf("output:\n%s", out.String())
 	}
 }
