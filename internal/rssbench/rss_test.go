@@ -2,6 +2,7 @@ package rssbench
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -608,7 +609,7 @@ func bareConsumerChild(ctx context.Context, pool *pgxpool.Pool, brokers []string
 					}
 					if err != nil {
 						mu.Lock()
-						firstErr = cmpErr(firstErr, err)
+						firstErr = cmp.Or(firstErr, err)
 						mu.Unlock()
 						return
 					}
@@ -623,13 +624,6 @@ func bareConsumerChild(ctx context.Context, pool *pgxpool.Pool, brokers []string
 			return firstErr
 		}
 	}
-}
-
-func cmpErr(first, err error) error {
-	if first != nil {
-		return first
-	}
-	return err
 }
 
 // relayChild builds a relay (defaults) on a connected pool and producer,
