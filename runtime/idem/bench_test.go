@@ -274,6 +274,73 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP replay WAL (server-wide upper bound)", Unit: "bytes/replay",
 		Value: walBytes / replays, Target: "0",
 		Detail: fmt.Sprintf("replayed row xmax after replays: %s (0: not locked)", xmaxAfter)})
+
+	statementCPU(b, one.pool)
+}
+
+// statementCPU measures what the runtime's own statements cost PostgreSQL,
+// without the round trips: on one connection, the CPU time of its backend
+// per transaction sent as ONE pipelined batch, for
+//
+//   - bare:    BEGIN, the benchmark's INSERT, COMMIT;
+//   - runtime: BEGIN, SetTxSettings, ClaimKey, LockExpiredKey, GetKey,
+//     RestoreLockTimeout, the same INSERT, StoreKey, COMMIT — a first
+//     request's statements (its three round trips squeezed into one);
+//
+// each on a new key, in alternating rounds of 1,000 (5,000 long).
+func statementCPU(b *testing.B, pool *pgxpool.Pool) {
+	ctx := context.Background()
+	pids, err := benchkit.BackendPIDs(ctx, pool, 1)
+	if err != nil {
+		b.Fatal(err)
+	}
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Release()
+	send := func(runtime bool, key string) {
+		bt := &pgx.Batch{}
+		bt.Queue("begin")
+		if runtime {
+			bt.Queue(db.SetTxSettings, "10000ms", "1000ms", "120000ms")
+			bt.Queue(db.ClaimKey, "bench", "", key, int64(len(key)))
+			bt.Queue(db.LockExpiredKey, "bench", "", key, int64(len(key)))
+			bt.Queue(db.GetKey, "bench", "", key)
+			bt.Queue(db.RestoreLockTimeout)
+		}
+		bt.Queue(`INSERT INTO effects (order_id, amount) VALUES ($1, $2) RETURNING id`, "o-1", 100)
+		if runtime {
+			bt.Queue(db.StoreKey, "bench", "", key, []byte{1}, int32(201), []byte(`{"Location":["/x"]}`), []byte(`{"id":1}`), 86400.0)
+		}
+		bt.Queue("commit")
+		if err := conn.SendBatch(ctx, bt).Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for i := range 100 { // warm both shapes' statements and plans
+		send(false, "")
+		send(true, fmt.Sprintf("cpu-warm-%d-%d", b.N, i))
+	}
+	n := benchkit.Pick(1000, 5000)
+	var bare, runtime benchkit.CPU
+	for round := range 5 {
+		c0 := benchkit.ReadCPU(pids)
+		for range n {
+			send(false, "")
+		}
+		c1 := benchkit.ReadCPU(pids)
+		for i := range n {
+			send(true, fmt.Sprintf("cpu-%d-%d-%d", b.N, round, i))
+		}
+		c2 := benchkit.ReadCPU(pids)
+		bare.Server += c1.Sub(c0).Server
+		runtime.Server += c2.Sub(c1).Server
+	}
+	per := func(c benchkit.CPU) float64 { return float64(c.Server.Microseconds()) / float64(5*n) }
+	benchkit.Emit(benchkit.Row{Section: "Server CPU", Name: "first request's statements/bare, one pipeline", Unit: "ratio",
+		Value: per(runtime) / per(bare),
+		Detail: fmt.Sprintf("µs of backend CPU per transaction sent as one batch: BEGIN+INSERT+COMMIT %.0f; with the runtime's 6 statements %.0f", per(bare), per(runtime))})
 }
 
 // BenchmarkOutboxAtScale measures the relay's claim of 500 PENDING rows (one
