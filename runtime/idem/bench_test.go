@@ -339,7 +339,7 @@ func statementCPU(b *testing.B, pool *pgxpool.Pool) {
 	}
 	per := func(c benchkit.CPU) float64 { return float64(c.Server.Microseconds()) / float64(5*n) }
 	benchkit.Emit(benchkit.Row{Section: "Server CPU", Name: "first request's statements/bare, one pipeline", Unit: "ratio",
-		Value: per(runtime) / per(bare),
+		Value:  per(runtime) / per(bare),
 		Detail: fmt.Sprintf("µs of backend CPU per transaction sent as one batch: BEGIN+INSERT+COMMIT %.0f; with the runtime's 6 statements %.0f", per(bare), per(runtime))})
 }
 
