@@ -252,7 +252,7 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP bare request", Unit: "round trips", Value: bareRT,
 		Detail: "BEGIN │ INSERT │ COMMIT"})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP first request", Unit: "round trips", Value: firstRT, Target: "3",
-		Detail: "BEGIN+settings+claim │ the INSERT │ CompleteKey+COMMIT"})
+		Detail: "BEGIN+settings+claim │ the INSERT │ StoreKey+COMMIT"})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP replay", Unit: "round trips", Value: replayRT, Target: "2",
 		Detail: "BEGIN+settings+claim │ ROLLBACK, sent after the response: the client waits for 1"})
 

@@ -726,7 +726,7 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 }
 
 // endTx rolls tx back unless its connection is already out of a
-// transaction (CompleteKeyCommit committed it in the same round trip as the
+// transaction (StoreKeyCommit committed it in the same round trip as the
 // response, which tx does not know): a ROLLBACK then would be a round trip
 // for nothing.
 func endTx(ctx context.Context, tx pgx.Tx) {

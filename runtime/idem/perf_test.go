@@ -86,7 +86,7 @@ func TestExpiredKeyTakenOverOnce(t *testing.T) {
 
 // Issue 11: round trips counted on the wire (pgx's statement cache warm). A
 // first request costs BEGIN with its settings and the claim, pipelined │
-// the function's INSERT │ CompleteKey with COMMIT: 3, the bare handler's
+// the function's INSERT │ StoreKey with COMMIT: 3, the bare handler's
 // count (it was 5, then 4 with BEGIN on its own). A replay costs the same
 // first round trip, after which the client has its answer, and the
 // ROLLBACK sent after the response: 2 (was 3). A request without a key
