@@ -804,7 +804,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// rolls back).
 		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.StoreKeyParams{
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
-			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
+			StatusCode: int32(out.status), Headers: string(headers), Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
 		switch c := pgCode(err); {
 		case err == nil:

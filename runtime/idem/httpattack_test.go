@@ -1,0 +1,245 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// The tests of this file are an outside attack on the pipelined claim and
+// the row written once at completion (branch httpattack): independent
+// replicas (one pool and engine each) on one schema, real HTTP over
+// loopback.
+
+type stormResp struct {
+	ID int64 `json:"id"`
+}
+
+// stormReplica is one replica: its own pool, engine and HTTP server. The
+// function records the key and its transaction's start (now()) with the
+// effect.
+func stormReplica(t *testing.T, dbURL string, cfg idem.HTTPConfig, ep idem.Endpoint, mode pgx.QueryExecMode, calls *atomic.Int64) *httptest.Server {
+	t.Helper()
+	pcfg, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.MaxConns = 4
+	pcfg.ConnConfig.DefaultQueryExecMode = mode
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	h, err := idem.NewHTTP(idem.NewStore(pool), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /storm", idem.Handle(h, ep, func(ctx context.Context, tx pgx.Tx, req chargeReq) (stormResp, error) {
+		calls.Add(1)
+		k, _ := idem.KeyFromContext(ctx)
+		var id int64
+		if err := tx.QueryRow(ctx, `INSERT INTO storm_effects (key, tx_start) VALUES ($1, now()) RETURNING id`, k.Key).Scan(&id); err != nil {
+			return stormResp{}, err
+		}
+		time.Sleep(time.Duration(id%3) * time.Millisecond)
+		return stormResp{ID: id}, nil
+	}))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// A storm of duplicates on a few keys, across three replicas, with a TTL so
+// short that expired keys are taken over again and again while a janitor
+// purges expired rows in a loop. Whatever the isolation level: a key runs
+// again only after its previous run's TTL (consecutive effects of one key
+// start at least TTL apart), every success a client sees names an effect
+// that committed, and no request fails with a 500.
+func TestAttackStormAcrossReplicas(t *testing.T) {
+	levels := []struct {
+		name string
+		opts pgx.TxOptions
+		mode pgx.QueryExecMode
+	}{
+		{"read committed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement},
+		{"repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement},
+		{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}, pgx.QueryExecModeCacheStatement},
+		{"custom BeginQuery", pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL REPEATABLE READ"}, pgx.QueryExecModeCacheStatement},
+		{"simple protocol", pgx.TxOptions{}, pgx.QueryExecModeSimpleProtocol},
+		{"exec, repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeExec},
+	}
+	for _, lv := range levels {
+		t.Run(lv.name, func(t *testing.T) {
+			t.Parallel()
+			dbURL := pgtest.Schema(t)
+			admin, err := pgxpool.New(context.Background(), dbURL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(admin.Close)
+			if err := idem.Migrate(context.Background(), admin); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL)`)
+			const ttl = 40 * time.Millisecond
+			ep := idem.Endpoint{Scope: "storm", Route: "POST /storm", TTL: ttl, Wait: 3 * time.Second}
+			var calls atomic.Int64
+			var srvs []*httptest.Server
+			for range 3 {
+				srvs = append(srvs, stormReplica(t, dbURL, idem.HTTPConfig{TxOptions: lv.opts}, ep, lv.mode, &calls))
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			wg.Go(func() { // the janitor's purge, in a loop
+				store := idem.NewStore(admin)
+				for ctx.Err() == nil {
+					_, _ = store.PurgeExpiredKeys(ctx, 100)
+					time.Sleep(time.Millisecond)
+				}
+			})
+			var mu sync.Mutex
+			seen := map[int64]bool{}
+			statuses := map[int]int{}
+			deadline := time.Now().Add(time.Second)
+			for c := range 18 {
+				wg.Go(func() {
+					for i := 0; time.Now().Before(deadline); i++ {
+						srv := srvs[(c+i)%len(srvs)]
+						key := fmt.Sprintf("k%d", (c+i)%3)
+						req, _ := http.NewRequest(http.MethodPost, srv.URL+"/storm", strings.NewReader(`{"order":"o","amount":1}`))
+						req.Header.Set("Idempotency-Key", key)
+						resp, err := srv.Client().Do(req)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						var out stormResp
+						_ = json.NewDecoder(resp.Body).Decode(&out)
+						resp.Body.Close()
+						mu.Lock()
+						statuses[resp.StatusCode]++
+						if resp.StatusCode == http.StatusOK {
+							seen[out.ID] = true
+						}
+						mu.Unlock()
+					}
+				})
+			}
+			time.Sleep(time.Until(deadline))
+			cancel()
+			wg.Wait()
+			t.Logf("statuses %v, calls %d", statuses, calls.Load())
+			for code, n := range statuses {
+				if code != http.StatusOK && code != http.StatusConflict && code != http.StatusServiceUnavailable {
+					t.Errorf("%d answers were %d", n, code)
+				}
+			}
+			rows, err := admin.Query(context.Background(), `SELECT id, key, tx_start FROM storm_effects ORDER BY key, tx_start`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			type eff struct {
+				id    int64
+				key   string
+				start time.Time
+			}
+			var effs []eff
+			committed := map[int64]bool{}
+			for rows.Next() {
+				var e eff
+				if err := rows.Scan(&e.id, &e.key, &e.start); err != nil {
+					t.Fatal(err)
+				}
+				effs = append(effs, e)
+				committed[e.id] = true
+			}
+			if rows.Err() != nil {
+				t.Fatal(rows.Err())
+			}
+			sort.SliceStable(effs, func(i, j int) bool {
+				if effs[i].key != effs[j].key {
+					return effs[i].key < effs[j].key
+				}
+				return effs[i].start.Before(effs[j].start)
+			})
+			for i := 1; i < len(effs); i++ {
+				a, b := effs[i-1], effs[i]
+				if a.key == b.key && b.start.Sub(a.start) < ttl {
+					t.Errorf("key %s ran twice within its TTL: effects %d at %s and %d at %s (%v apart)",
+						a.key, a.id, a.start.Format(time.StampMicro), b.id, b.start.Format(time.StampMicro), b.start.Sub(a.start))
+				}
+			}
+			for id := range seen {
+				if !committed[id] {
+					t.Errorf("a client was answered effect %d, which did not commit", id)
+				}
+			}
+			t.Logf("%d effects", len(effs))
+		})
+	}
+}
+
+// A pool may run its statements in any of pgx's query exec modes (a
+// PgBouncer in transaction mode wants QueryExecModeExec or
+// QueryExecModeSimpleProtocol). In every mode a keyed request runs once,
+// stores its response and replays it. Before the fix, the modes that do not
+// describe a statement sent the stored headers ([]byte) as a bytea literal,
+// which jsonb refused: every keyed request was a 500, after its function had
+// run (and rolled back).
+func TestKeyedRequestInEveryQueryExecMode(t *testing.T) {
+	modes := map[string]pgx.QueryExecMode{
+		"cache statement": pgx.QueryExecModeCacheStatement,
+		"cache describe":  pgx.QueryExecModeCacheDescribe,
+		"describe exec":   pgx.QueryExecModeDescribeExec,
+		"exec":            pgx.QueryExecModeExec,
+		"simple protocol": pgx.QueryExecModeSimpleProtocol,
+	}
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			e := newEnvPool(t, pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode }))
+			h := e.handler(idem.Endpoint{})
+			first := do(h, "k-mode", body1)
+			if first.status != http.StatusCreated {
+				t.Fatalf("first: %d %s", first.status, first.body)
+			}
+			again := do(h, "k-mode", body1)
+			if again.status != http.StatusCreated || again.header.Get("Idempotent-Replayed") != "true" ||
+				string(again.body) != string(first.body) || again.header.Get("Location") != first.header.Get("Location") {
+				t.Fatalf("replay: %d %v %s, want the first response %s", again.status, again.header, again.body, first.body)
+			}
+			if n := e.effects(); n != 1 {
+				t.Fatalf("%d effects, want 1", n)
+			}
+			if c := e.calls.Load(); c != 1 {
+				t.Fatalf("function ran %d times, want 1", c)
+			}
+		})
+	}
+}
+
+// newEnvPool is newEnv on pool.
+func newEnvPool(t *testing.T, pool *pgxpool.Pool) *env {
+	t.Helper()
+	t.Parallel()
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
+	return &env{t: t, pool: pool}
+}
