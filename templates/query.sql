@@ -208,8 +208,10 @@ WHERE (context, event_id) IN (
 );
 
 -- name: EnqueueOutbox :exec
+-- The headers are sent as text, as StoreKey's are: a pool that does not
+-- describe statements would send a []byte as a bytea literal.
 INSERT INTO idem_outbox (topic, record_key, payload, headers)
-VALUES (@topic, @record_key, @payload, @headers);
+VALUES (@topic, @record_key, @payload, CAST(sqlc.arg(headers)::text AS jsonb));
 
 -- name: ClaimOutboxBatch :many
 -- Claims up to batch_size PENDING rows in id order for the leading relay,

@@ -201,7 +201,7 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 // stores its response and replays it. Before the fix, the modes that do not
 // describe a statement sent the stored headers ([]byte) as a bytea literal,
 // which jsonb refused: every keyed request was a 500, after its function had
-// run (and rolled back).
+// run (and rolled back); so was every function that called Enqueue.
 func TestKeyedRequestInEveryQueryExecMode(t *testing.T) {
 	modes := map[string]pgx.QueryExecMode{
 		"cache statement": pgx.QueryExecModeCacheStatement,
@@ -213,6 +213,9 @@ func TestKeyedRequestInEveryQueryExecMode(t *testing.T) {
 	for name, mode := range modes {
 		t.Run(name, func(t *testing.T) {
 			e := newEnvPool(t, pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode }))
+			e.hook = func(ctx context.Context, tx pgx.Tx, req chargeReq) error {
+				return idem.Enqueue(ctx, tx, "charges", req.Order, req)
+			}
 			h := e.handler(idem.Endpoint{})
 			first := do(h, "k-mode", body1)
 			if first.status != http.StatusCreated {
@@ -225,6 +228,9 @@ func TestKeyedRequestInEveryQueryExecMode(t *testing.T) {
 			}
 			if n := e.effects(); n != 1 {
 				t.Fatalf("%d effects, want 1", n)
+			}
+			if n := pgtest.Count(t, e.pool, `SELECT count(*) FROM idem_outbox`); n != 1 {
+				t.Fatalf("%d outbox events, want 1", n)
 			}
 			if c := e.calls.Load(); c != 1 {
 				t.Fatalf("function ran %d times, want 1", c)

@@ -508,16 +508,18 @@ func (q *Queries) DeletePublishedOutbox(ctx context.Context, arg DeletePublished
 
 const EnqueueOutbox = `-- name: EnqueueOutbox :exec
 INSERT INTO idem_outbox (topic, record_key, payload, headers)
-VALUES ($1, $2, $3, $4)
+VALUES ($1, $2, $3, CAST($4::text AS jsonb))
 `
 
 type EnqueueOutboxParams struct {
 	Topic     string
 	RecordKey []byte
 	Payload   []byte
-	Headers   []byte
+	Headers   string
 }
 
+// The headers are sent as text, as StoreKey's are: a pool that does not
+// describe statements would send a []byte as a bytea literal.
 func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) error {
 	_, err := q.db.Exec(ctx, EnqueueOutbox,
 		arg.Topic,
