@@ -516,6 +516,12 @@ var (
 	errBusy          = errors.New("database busy")
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
+	// errFunctionEndedTx: the function committed or rolled back the
+	// runtime's transaction itself; nothing is stored (500).
+	errFunctionEndedTx = errors.New("the function ended its transaction itself (COMMIT or ROLLBACK): no response was stored, and its work may or may not have committed")
+	// errFunctionTxAborted: a statement of the function failed and the
+	// function returned success anyway; the transaction rolls back (500).
+	errFunctionTxAborted = errors.New("the function returned success in an aborted transaction (a failed statement's error was swallowed): nothing was committed")
 	// errCommitUnknown: the COMMIT was sent but no answer came back, so
 	// whether it committed is unknown (503 saying so; the key makes the
 	// retry safe: it replays a committed response or runs the function).
@@ -786,6 +792,19 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// (a client that hung up, or shutdown) has been told nothing
 		// happened.
 		return nil, err
+	}
+	// The function must leave its transaction open and healthy: one that
+	// ended it (COMMIT, ROLLBACK, pgx's own Commit or Rollback, a reflexive
+	// defer tx.Rollback) has had its work committed or rolled back outside
+	// the key, and storing the response now would record, outside any
+	// transaction, an answer for work that may never have happened; one that
+	// swallowed a failed statement has an aborted transaction that cannot
+	// commit. Both are the function's bug (500), never a retry to invite.
+	switch tx.Conn().PgConn().TxStatus() {
+	case 'I':
+		return nil, errFunctionEndedTx
+	case 'E':
+		return nil, errFunctionTxAborted
 	}
 	if in.key == nil {
 		crash.Point(ctx, "http.before-commit")

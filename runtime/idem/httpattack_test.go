@@ -249,3 +249,42 @@ func newEnvPool(t *testing.T, pool *pgxpool.Pool) *env {
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
 	return &env{t: t, pool: pool}
 }
+
+// A function that ends the runtime's transaction itself: its effect is not
+// the runtime's to commit any more, so no response may be stored for it (a
+// stored response next to a rolled-back effect would be replayed forever
+// for an operation that never happened), and the answer is a 500 (the
+// function's bug), not a 503 that invites retrying a request that can never
+// succeed.
+func TestFunctionEndingTheTransactionStoresNothing(t *testing.T) {
+	ends := map[string]func(ctx context.Context, tx pgx.Tx) error{
+		"pgx Rollback (defer tx.Rollback)": func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
+		"SQL ROLLBACK": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "ROLLBACK")
+			return err
+		},
+		"pgx Commit": func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
+		"SQL COMMIT": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "COMMIT")
+			return err
+		},
+		"a failed statement swallowed": func(ctx context.Context, tx pgx.Tx) error {
+			_, _ = tx.Exec(ctx, "SELECT 1/0")
+			return nil
+		},
+	}
+	for name, end := range ends {
+		t.Run(name, func(t *testing.T) {
+			e := newEnv(t)
+			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error { return end(ctx, tx) }
+			h := e.handler(idem.Endpoint{})
+			r := do(h, "k-ends", body1)
+			if r.status != http.StatusInternalServerError {
+				t.Errorf("answer %d %s, want 500", r.status, r.body)
+			}
+			if n := e.keys(); n != 0 {
+				t.Errorf("%d key rows stored for a function that ended the transaction itself, want 0", n)
+			}
+		})
+	}
+}
