@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
@@ -287,4 +289,142 @@ func TestFunctionEndingTheTransactionStoresNothing(t *testing.T) {
 			}
 		})
 	}
+}
+
+// oldRuntimeRequest runs one request on key the way the previous runtime
+// (30e8498) did: the claim inserts a claim row under the key's advisory
+// lock, or takes over an expired row, and the response is an UPDATE at
+// completion. It reports whether it ran the effect.
+func oldRuntimeRequest(ctx context.Context, pool *pgxpool.Pool, lockID int64, key string, ttl time.Duration) (ran bool, err error) {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	fp := []byte("fp")
+	ct, err := tx.Exec(ctx, `INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
+SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
+WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3)
+           THEN false
+           ELSE pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) END
+ON CONFLICT (scope, principal, key) DO NOTHING`, "storm", "", key, fp, ttl.Seconds(), lockID)
+	if err != nil {
+		return false, err
+	}
+	claimed := ct.RowsAffected() == 1
+	if !claimed {
+		ct, err = tx.Exec(ctx, `UPDATE idem_keys
+SET fingerprint = $4, status_code = 0, headers = '{}', body = '', created_at = now(),
+    expires_at = now() + make_interval(secs => $5::float8)
+WHERE scope = $1 AND principal = $2 AND key = $3
+  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END`,
+			"storm", "", key, fp, ttl.Seconds(), lockID)
+		if err != nil {
+			return false, err
+		}
+		claimed = ct.RowsAffected() == 1
+	}
+	if !claimed {
+		return false, nil // replayed, or in flight: either way no effect
+	}
+	var id int64
+	if err := tx.QueryRow(ctx, `INSERT INTO storm_effects (key, tx_start) VALUES ($1, now()) RETURNING id`, key).Scan(&id); err != nil {
+		return false, err
+	}
+	if _, err := tx.Exec(ctx, `UPDATE idem_keys SET status_code = 200, headers = '{"Content-Type":["application/json"]}', body = $4
+WHERE scope = $1 AND principal = $2 AND key = $3`, "storm", "", key, []byte(fmt.Sprintf(`{"id":%d}`, id))); err != nil {
+		return false, err
+	}
+	return true, tx.Commit(ctx)
+}
+
+// A rolling upgrade: replicas of the previous runtime (claim row inserted
+// at the claim, completed by an UPDATE) and of this one (no row until
+// completion) serve the same keys at once. Their claims exclude each other
+// through the same advisory lock, so a key still runs at most once per TTL.
+func TestAttackMixedVersionReplicas(t *testing.T) {
+	for _, ttl := range []time.Duration{time.Hour, 30 * time.Millisecond} {
+		t.Run(ttl.String(), func(t *testing.T) {
+			t.Parallel()
+			dbURL := pgtest.Schema(t)
+			admin, err := pgxpool.New(context.Background(), dbURL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(admin.Close)
+			if err := idem.Migrate(context.Background(), admin); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL)`)
+			ep := idem.Endpoint{Scope: "storm", Route: "POST /storm", TTL: ttl, Wait: 3 * time.Second}
+			var calls atomic.Int64
+			srvs := []*httptest.Server{
+				stormReplica(t, dbURL, idem.HTTPConfig{}, ep, pgx.QueryExecModeCacheStatement, &calls),
+				stormReplica(t, dbURL, idem.HTTPConfig{TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}}, ep, pgx.QueryExecModeCacheStatement, &calls),
+			}
+			deadline := time.Now().Add(time.Second)
+			var wg sync.WaitGroup
+			var oldRan atomic.Int64
+			var mu sync.Mutex
+			statuses := map[int]int{}
+			for c := range 12 {
+				wg.Go(func() {
+					for i := 0; time.Now().Before(deadline); i++ {
+						key := fmt.Sprintf("k%d", (c+i)%2)
+						if ttl == time.Hour { // a new key every 20ms: every first claim is a race
+							key = fmt.Sprintf("t%d", time.Now().UnixMilli()/20)
+						}
+						if c%3 == 0 {
+							ran, err := oldRuntimeRequest(context.Background(), admin, idem.LockID(idem.Key{Scope: "storm", Key: key}), key, ttl)
+							if err != nil && sqlState(err) != "40001" {
+								t.Error(err)
+								return
+							}
+							if ran {
+								oldRan.Add(1)
+							}
+							continue
+						}
+						srv := srvs[(c+i)%len(srvs)]
+						req, _ := http.NewRequest(http.MethodPost, srv.URL+"/storm", strings.NewReader(`{"order":"o","amount":1}`))
+						req.Header.Set("Idempotency-Key", key)
+						resp, err := srv.Client().Do(req)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						resp.Body.Close()
+						mu.Lock()
+						statuses[resp.StatusCode]++
+						mu.Unlock()
+					}
+				})
+			}
+			wg.Wait()
+			t.Logf("new: %v, %d calls; old ran %d", statuses, calls.Load(), oldRan.Load())
+			for code, n := range statuses {
+				if code != http.StatusOK && code != http.StatusConflict && code != http.StatusServiceUnavailable && code != http.StatusUnprocessableEntity {
+					t.Errorf("%d answers were %d", n, code)
+				}
+			}
+			var bad int64
+			if err := admin.QueryRow(context.Background(), `SELECT count(*) FROM (
+				SELECT tx_start - lag(tx_start) OVER (PARTITION BY key ORDER BY tx_start) AS gap FROM storm_effects) g
+				WHERE gap < make_interval(secs => $1::float8)`, ttl.Seconds()).Scan(&bad); err != nil {
+				t.Fatal(err)
+			}
+			if bad > 0 {
+				t.Errorf("%d effects ran within their key's TTL of the previous one", bad)
+			}
+		})
+	}
+}
+
+// sqlState is err's SQLSTATE, or "".
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
 }
