@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -42,6 +43,7 @@ func stormReplica(t *testing.T, dbURL string, cfg idem.HTTPConfig, ep idem.Endpo
 	}
 	pcfg.MaxConns = 4
 	pcfg.ConnConfig.DefaultQueryExecMode = mode
+	pcfg.ConnConfig.RuntimeParams["application_name"] = stormApp(t)
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
 	if err != nil {
 		t.Fatal(err)
@@ -67,6 +69,10 @@ func stormReplica(t *testing.T, dbURL string, cfg idem.HTTPConfig, ep idem.Endpo
 	return srv
 }
 
+// stormApp is the application_name of the test's replicas' connections,
+// for a killer to find them.
+func stormApp(t *testing.T) string { return fmt.Sprintf("storm-%p", t) }
+
 // A storm of duplicates on a few keys, across three replicas, with a TTL so
 // short that expired keys are taken over again and again while a janitor
 // purges expired rows in a loop. Whatever the isolation level: a key runs
@@ -78,13 +84,18 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 		name string
 		opts pgx.TxOptions
 		mode pgx.QueryExecMode
+		kill bool          // terminate a random replica backend every few milliseconds
+		ttl  time.Duration // 0: 40ms
 	}{
-		{"read committed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement},
-		{"repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement},
-		{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}, pgx.QueryExecModeCacheStatement},
-		{"custom BeginQuery", pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL REPEATABLE READ"}, pgx.QueryExecModeCacheStatement},
-		{"simple protocol", pgx.TxOptions{}, pgx.QueryExecModeSimpleProtocol},
-		{"exec, repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeExec},
+		{"read committed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, false, 0},
+		{"repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement, false, 0},
+		{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}, pgx.QueryExecModeCacheStatement, false, 0},
+		{"custom BeginQuery", pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL REPEATABLE READ"}, pgx.QueryExecModeCacheStatement, false, 0},
+		{"simple protocol", pgx.TxOptions{}, pgx.QueryExecModeSimpleProtocol, false, 0},
+		{"exec, repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeExec, false, 0},
+		{"read committed, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, 0},
+		{"repeatable read, backends killed", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement, true, 0},
+		{"no expiry, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, time.Hour},
 	}
 	for _, lv := range levels {
 		t.Run(lv.name, func(t *testing.T) {
@@ -99,7 +110,7 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 				t.Fatal(err)
 			}
 			pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL)`)
-			const ttl = 40 * time.Millisecond
+			ttl := cmp.Or(lv.ttl, 40*time.Millisecond)
 			ep := idem.Endpoint{Scope: "storm", Route: "POST /storm", TTL: ttl, Wait: 3 * time.Second}
 			var calls atomic.Int64
 			var srvs []*httptest.Server
@@ -115,6 +126,15 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 					time.Sleep(time.Millisecond)
 				}
 			})
+			if lv.kill {
+				wg.Go(func() {
+					for ctx.Err() == nil {
+						_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+							WHERE application_name = $1 ORDER BY random() LIMIT 1`, stormApp(t))
+						time.Sleep(15 * time.Millisecond)
+					}
+				})
+			}
 			var mu sync.Mutex
 			seen := map[int64]bool{}
 			statuses := map[int]int{}
