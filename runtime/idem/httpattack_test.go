@@ -1,11 +1,16 @@
 package idem_test
 
 import (
+	"bufio"
+	"bytes"
 	"cmp"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"sort"
@@ -19,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
@@ -447,4 +453,141 @@ func sqlState(err error) string {
 		return pgErr.Code
 	}
 	return ""
+}
+
+// fatalCommitProxy forwards PostgreSQL's protocol between a client and the
+// server and, once armed, turns the server's next "COMMIT" CommandComplete
+// into a FATAL ErrorResponse (57P01) and closes the connection: what a
+// client sees when the server ends the session after the transaction
+// committed (a fast shutdown or pg_terminate_backend while a synchronous
+// commit waits for its standby: "the transaction has already committed
+// locally").
+type fatalCommitProxy struct {
+	ln     net.Listener
+	target string
+	armed  atomic.Bool
+	fired  atomic.Bool
+}
+
+func newFatalCommitProxy(t *testing.T, target string) *fatalCommitProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &fatalCommitProxy{ln: ln, target: target}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go p.serve(c)
+		}
+	}()
+	return p
+}
+
+func (p *fatalCommitProxy) serve(client net.Conn) {
+	defer client.Close()
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return
+	}
+	defer server.Close()
+	go func() { _, _ = io.Copy(server, client); server.Close() }()
+	r := bufio.NewReader(server)
+	for {
+		head := make([]byte, 5)
+		if _, err := io.ReadFull(r, head); err != nil {
+			return
+		}
+		body := make([]byte, binary.BigEndian.Uint32(head[1:])-4)
+		if _, err := io.ReadFull(r, body); err != nil {
+			return
+		}
+		if head[0] == 'C' && string(body) == "COMMIT\x00" && p.armed.CompareAndSwap(true, false) {
+			var e []byte
+			for _, f := range []string{"SFATAL", "VFATAL", "C57P01", "Mterminating connection due to administrator command"} {
+				e = append(append(e, f...), 0)
+			}
+			e = append(e, 0)
+			msg := append([]byte{'E', 0, 0, 0, 0}, e...)
+			binary.BigEndian.PutUint32(msg[1:], uint32(len(e)+4))
+			_, _ = client.Write(msg)
+			p.fired.Store(true)
+			return
+		}
+		if _, err := client.Write(append(head, body...)); err != nil {
+			return
+		}
+	}
+}
+
+// The server ends the session right after the COMMIT of the response and
+// the effect has committed (the client reads a FATAL error where the
+// COMMIT's answer was due). The outcome is unknown to the runtime, so it
+// must not answer "nothing was done": a client believing that would give
+// up on an operation that happened. The answer is the 503 "Outcome
+// unknown", and the retry with the key replays the committed response.
+func TestFatalErrorAtCommitAnswersOutcomeUnknown(t *testing.T) {
+	t.Parallel()
+	url := pgtest.Schema(t)
+	proxy := newFatalCommitProxy(t, faultproxy.PostgresTarget(url))
+	direct, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(direct.Close)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+	cfg.ConnConfig.Fallbacks = nil
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	e := &env{t: t, pool: pool}
+	h := e.handler(idem.Endpoint{})
+	proxy.armed.Store(true)
+	first := do(h, "k-fatal-commit", body1)
+	if !proxy.fired.Load() {
+		t.Fatal("no COMMIT went through the proxy")
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 1 {
+		t.Fatalf("%d effects, want 1 (the COMMIT went through)", n)
+	}
+	if first.status != http.StatusServiceUnavailable || bytes.Contains(first.body, []byte("nothing was done")) ||
+		!bytes.Contains(first.body, []byte("unknown")) {
+		t.Fatalf("committed, then the session ended: %d %s, want a 503 saying the outcome is unknown", first.status, first.body)
+	}
+	again := do(h, "k-fatal-commit", body1)
+	if again.status != http.StatusCreated || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("retry: %d %s, want the replay", again.status, again.body)
+	}
+
+	// Without a key the same holds, and the answer does not promise a
+	// replay it cannot give.
+	noKey := e.handler(idem.Endpoint{Scope: "test.nokey", KeyOptional: true})
+	proxy.fired.Store(false)
+	proxy.armed.Store(true)
+	r := do(noKey, "", body1)
+	if !proxy.fired.Load() {
+		t.Fatal("no COMMIT went through the proxy")
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 2 {
+		t.Fatalf("%d effects, want 2 (the COMMIT went through)", n)
+	}
+	if r.status != http.StatusServiceUnavailable || bytes.Contains(r.body, []byte("nothing was done")) ||
+		!bytes.Contains(r.body, []byte("unknown")) || bytes.Contains(r.body, []byte("replayed")) {
+		t.Fatalf("without a key, committed, then the session ended: %d %s, want a 503 saying the outcome is unknown", r.status, r.body)
+	}
 }
