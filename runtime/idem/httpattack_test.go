@@ -297,7 +297,7 @@ func TestFunctionEndingTheTransactionStoresNothing(t *testing.T) {
 			return err
 		},
 		"a failed statement swallowed": func(ctx context.Context, tx pgx.Tx) error {
-			_, _ = tx.Exec(ctx, "SELECT 1/0")
+			_, _ = tx.Exec(ctx, "SELECT 1/0") //idemvet:ignore swallowcancel the mistake this test makes on purpose
 			return nil
 		},
 	}
@@ -413,7 +413,7 @@ func TestAttackMixedVersionReplicas(t *testing.T) {
 						}
 						srv := srvs[(c+i)%len(srvs)]
 						req, _ := http.NewRequest(http.MethodPost, srv.URL+"/storm", strings.NewReader(`{"order":"o","amount":1}`))
-						req.Header.Set("Idempotency-Key", key)
+						req.Header.Set("Idempotency-Key", key) //idemvet:ignore retrykey each iteration is another duplicate of a shared key, not a retry
 						resp, err := srv.Client().Do(req)
 						if err != nil {
 							t.Error(err)
