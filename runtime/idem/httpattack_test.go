@@ -125,10 +125,15 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			var wg sync.WaitGroup
-			wg.Go(func() { // the janitor's purge, in a loop
-				store := idem.NewStore(admin)
+			var purged atomic.Int64
+			janitor, err := idem.NewJanitor(idem.NewStore(admin), idem.JanitorConfig{BatchSize: 2,
+				OnRun: func(r idem.JanitorRun) { purged.Add(r.ExpiredKeys) }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			wg.Go(func() { // the janitor, run after run
 				for ctx.Err() == nil {
-					_, _ = store.PurgeExpiredKeys(ctx, 100)
+					_, _ = janitor.RunOnce(ctx)
 					time.Sleep(time.Millisecond)
 				}
 			})
@@ -172,7 +177,7 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 			time.Sleep(time.Until(deadline))
 			cancel()
 			wg.Wait()
-			t.Logf("statuses %v, calls %d", statuses, calls.Load())
+			t.Logf("statuses %v, calls %d, expired keys purged %d", statuses, calls.Load(), purged.Load())
 			for code, n := range statuses {
 				if code != http.StatusOK && code != http.StatusConflict && code != http.StatusServiceUnavailable {
 					t.Errorf("%d answers were %d", n, code)
