@@ -104,10 +104,13 @@ ON CONFLICT (scope, principal, key) DO NOTHING;
 -- after this transaction's snapshot, which PostgreSQL itself reports as a
 -- serialization failure): idem_key_completed_elsewhere raises 40001 then,
 -- so the COMMIT pipelined after this statement is skipped and the effect
--- rolls back; the retry replays the row.
+-- rolls back; the retry replays the row. The headers are sent as text: a
+-- []byte parameter would be sent as a bytea literal by a pool that does not
+-- describe statements (QueryExecModeExec, QueryExecModeSimpleProtocol),
+-- which jsonb refuses.
 WITH stored AS (
     INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
-    VALUES (@scope, @principal, @key, @fingerprint, @status_code, @headers, @body,
+    VALUES (@scope, @principal, @key, @fingerprint, @status_code, CAST(sqlc.arg(headers)::text AS jsonb), @body,
             now() + make_interval(secs => @ttl_seconds::float8))
     ON CONFLICT (scope, principal, key) DO UPDATE
     SET fingerprint = excluded.fingerprint, status_code = excluded.status_code, headers = excluded.headers,
@@ -205,8 +208,10 @@ WHERE (context, event_id) IN (
 );
 
 -- name: EnqueueOutbox :exec
+-- The headers are sent as text, as StoreKey's are: a pool that does not
+-- describe statements would send a []byte as a bytea literal.
 INSERT INTO idem_outbox (topic, record_key, payload, headers)
-VALUES (@topic, @record_key, @payload, @headers);
+VALUES (@topic, @record_key, @payload, CAST(sqlc.arg(headers)::text AS jsonb));
 
 -- name: ClaimOutboxBatch :many
 -- Claims up to batch_size PENDING rows in id order for the leading relay,

@@ -516,6 +516,12 @@ var (
 	errBusy          = errors.New("database busy")
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
+	// errFunctionEndedTx: the function committed or rolled back the
+	// runtime's transaction itself; nothing is stored (500).
+	errFunctionEndedTx = errors.New("the function ended its transaction itself (COMMIT or ROLLBACK): no response was stored, and its work may or may not have committed")
+	// errFunctionTxAborted: a statement of the function failed and the
+	// function returned success anyway; the transaction rolls back (500).
+	errFunctionTxAborted = errors.New("the function returned success in an aborted transaction (a failed statement's error was swallowed): nothing was committed")
 	// errCommitUnknown: the COMMIT was sent but no answer came back, so
 	// whether it committed is unknown (503 saying so; the key makes the
 	// retry safe: it replays a committed response or runs the function).
@@ -787,9 +793,27 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// happened.
 		return nil, err
 	}
+	// The function must leave its transaction open and healthy: one that
+	// ended it (COMMIT, ROLLBACK, pgx's own Commit or Rollback, a reflexive
+	// defer tx.Rollback) has had its work committed or rolled back outside
+	// the key, and storing the response now would record, outside any
+	// transaction, an answer for work that may never have happened; one that
+	// swallowed a failed statement has an aborted transaction that cannot
+	// commit. Both are the function's bug (500), never a retry to invite.
+	switch tx.Conn().PgConn().TxStatus() {
+	case 'I':
+		return nil, errFunctionEndedTx
+	case 'E':
+		return nil, errFunctionTxAborted
+	}
 	if in.key == nil {
 		crash.Point(ctx, "http.before-commit")
 		if err := tx.Commit(ctx); err != nil {
+			if (pgCode(err) == "" && !errors.Is(err, pgx.ErrTxCommitRollback)) || sessionEnded(err) {
+				// No answer, or the session ended where it was due: the
+				// COMMIT may have gone through (see the keyed case below).
+				return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "commit", err))
+			}
 			return nil, storageErr(ctx, "commit", err)
 		}
 	} else {
@@ -804,7 +828,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// rolls back).
 		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.StoreKeyParams{
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
-			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
+			StatusCode: int32(out.status), Headers: string(headers), Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
 		switch c := pgCode(err); {
 		case err == nil:
@@ -814,6 +838,12 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			// or running: it may have committed. Saying "nothing was done"
 			// could be false; a retry with the key is right either way.
 			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "store response and commit", err))
+		case errors.Is(err, dbx.ErrCommit) && sessionEnded(err):
+			// The server ended the session (FATAL) where the COMMIT's
+			// answer was due: it may have ended it after committing (a
+			// shutdown or a terminate while a synchronous commit waits for
+			// its standby: "already committed locally"). Unknown, as above.
+			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "commit", err))
 		case c == "40001" || c == "40P01":
 			// Nothing committed: the key was completed by another
 			// transaction after this one's snapshot (StoreKey), or the
@@ -862,6 +892,14 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 		return fmt.Errorf("%w: the function's statement conflicted with another transaction: %w", errBusy, err)
 	}
 	return err
+}
+
+// sessionEnded reports an error with which the server ended the session
+// (severity FATAL or PANIC), as opposed to one that ended a statement or a
+// transaction.
+func sessionEnded(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC")
 }
 
 // pgCode is the SQLSTATE of err, or "".
@@ -921,8 +959,11 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 			Detail: "this idempotency key was used with a different request"}
 	case errors.Is(err, errCommitUnknown): // before the context cases: it may wrap ctx's error
 		h.logger.ErrorContext(r.Context(), "commit outcome unknown", "scope", ep.Scope, "err", err)
-		return &Error{Status: http.StatusServiceUnavailable, Title: "Outcome unknown", RetryAfter: time.Second, Err: err,
-			Detail: "the connection to the database broke while committing, so the outcome is unknown; retry with the same idempotency key: a committed request is replayed, not run again"}
+		detail := "the connection to the database broke while committing, so the outcome is unknown; retry with the same idempotency key: a committed request is replayed, not run again"
+		if _, keyed := r.Header[http.CanonicalHeaderKey(ep.KeyHeader)]; !keyed {
+			detail = "the connection to the database broke while committing, so the outcome is unknown; the request had no idempotency key, so a retry may run it a second time"
+		}
+		return &Error{Status: http.StatusServiceUnavailable, Title: "Outcome unknown", RetryAfter: time.Second, Err: err, Detail: detail}
 	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
 		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,

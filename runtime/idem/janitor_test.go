@@ -211,7 +211,7 @@ func TestJanitorSkipsKeyInUse(t *testing.T) {
 	}
 	defer tx.Rollback(ctx)
 	if err := db.New(tx).StoreKey(ctx, db.StoreKeyParams{Scope: "s", Principal: "p", Key: "old-1", Fingerprint: []byte{1},
-		StatusCode: 201, Headers: []byte(`{}`), Body: []byte(`{}`), TtlSeconds: 60}); err != nil {
+		StatusCode: 201, Headers: `{}`, Body: []byte(`{}`), TtlSeconds: 60}); err != nil {
 		t.Fatalf("take over expired key: %v", err)
 	}
 	j, err := idem.NewJanitor(idem.NewStore(pool), idem.JanitorConfig{})

@@ -26,7 +26,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, topic, key string, payload any) err
 	if key != "" {
 		k = []byte(key)
 	}
-	if err := db.New(tx).EnqueueOutbox(ctx, db.EnqueueOutboxParams{Topic: topic, RecordKey: k, Payload: body, Headers: []byte("{}")}); err != nil {
+	if err := db.New(tx).EnqueueOutbox(ctx, db.EnqueueOutboxParams{Topic: topic, RecordKey: k, Payload: body, Headers: "{}"}); err != nil {
 		return fmt.Errorf("enqueue %s: %w", topic, err)
 	}
 	return nil

@@ -508,16 +508,18 @@ func (q *Queries) DeletePublishedOutbox(ctx context.Context, arg DeletePublished
 
 const EnqueueOutbox = `-- name: EnqueueOutbox :exec
 INSERT INTO idem_outbox (topic, record_key, payload, headers)
-VALUES ($1, $2, $3, $4)
+VALUES ($1, $2, $3, CAST($4::text AS jsonb))
 `
 
 type EnqueueOutboxParams struct {
 	Topic     string
 	RecordKey []byte
 	Payload   []byte
-	Headers   []byte
+	Headers   string
 }
 
+// The headers are sent as text, as StoreKey's are: a pool that does not
+// describe statements would send a []byte as a bytea literal.
 func (q *Queries) EnqueueOutbox(ctx context.Context, arg EnqueueOutboxParams) error {
 	_, err := q.db.Exec(ctx, EnqueueOutbox,
 		arg.Topic,
@@ -1429,7 +1431,7 @@ func (q *Queries) SetTxSettings(ctx context.Context, arg SetTxSettingsParams) er
 const StoreKey = `-- name: StoreKey :exec
 WITH stored AS (
     INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7,
+    VALUES ($1, $2, $3, $4, $5, CAST($6::text AS jsonb), $7,
             now() + make_interval(secs => $8::float8))
     ON CONFLICT (scope, principal, key) DO UPDATE
     SET fingerprint = excluded.fingerprint, status_code = excluded.status_code, headers = excluded.headers,
@@ -1447,7 +1449,7 @@ type StoreKeyParams struct {
 	Key         string
 	Fingerprint []byte
 	StatusCode  int32
-	Headers     []byte
+	Headers     string
 	Body        []byte
 	TtlSeconds  float64
 }
@@ -1459,7 +1461,10 @@ type StoreKeyParams struct {
 // after this transaction's snapshot, which PostgreSQL itself reports as a
 // serialization failure): idem_key_completed_elsewhere raises 40001 then,
 // so the COMMIT pipelined after this statement is skipped and the effect
-// rolls back; the retry replays the row.
+// rolls back; the retry replays the row. The headers are sent as text: a
+// []byte parameter would be sent as a bytea literal by a pool that does not
+// describe statements (QueryExecModeExec, QueryExecModeSimpleProtocol),
+// which jsonb refuses.
 func (q *Queries) StoreKey(ctx context.Context, arg StoreKeyParams) error {
 	_, err := q.db.Exec(ctx, StoreKey,
 		arg.Scope,
