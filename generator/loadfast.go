@@ -6,11 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"go/ast"
+	"go/build"
 	"go/parser"
 	"go/scanner"
 	"go/token"
 	"go/types"
 	"os"
+	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -33,6 +36,14 @@ var errSlowPath = errors.New("use go/packages")
 // errSlowPath, and the caller loads with go/packages, which handles every
 // case; both produce the same Package fields idemgen reads.
 func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []string) ([]*packages.Package, error) {
+	// The second go list, for the dependencies' export data, need not wait
+	// for the first: it starts at once on the imports read from the roots'
+	// files, and is used only if go list then reports the same ones.
+	var early *exportLoad
+	if ids := guessDeps(cfg, bc, patterns); len(ids) > 0 {
+		early = startExportLoad(ctx, cfg, bc, ids)
+		defer early.stop()
+	}
 	meta, err := packages.Load(&packages.Config{
 		Context:    ctx,
 		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
@@ -133,13 +144,16 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	sort.Strings(depIDs)
 	if len(depIDs) > 0 {
-		deps, err := packages.Load(&packages.Config{
-			Context:    ctx,
-			Mode:       packages.NeedName | packages.NeedExportFile,
-			Dir:        cfg.Dir,
-			Env:        cfg.Env,
-			BuildFlags: bc.loadFlags,
-		}, depIDs...)
+		// The early go list ran with exactly these arguments, so its result
+		// is the one a go list started now would give; a wrong guess is
+		// abandoned.
+		var deps []*packages.Package
+		if early != nil && slices.Equal(early.ids, depIDs) {
+			deps, err = early.wait()
+		} else {
+			early.stop()
+			deps, err = loadExports(ctx, cfg, bc, depIDs)
+		}
 		if err != nil {
 			wg.Wait()
 			return nil, fmt.Errorf("load dependencies of %s: %w", strings.Join(patterns, " "), err)
@@ -238,6 +252,86 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	sort.Slice(meta, func(i, j int) bool { return meta[i].PkgPath < meta[j].PkgPath })
 	return meta, nil
+}
+
+// loadExports runs go list -export for the packages ids.
+func loadExports(ctx context.Context, cfg Config, bc *buildConfig, ids []string) ([]*packages.Package, error) {
+	return packages.Load(&packages.Config{
+		Context:    ctx,
+		Mode:       packages.NeedName | packages.NeedExportFile,
+		Dir:        cfg.Dir,
+		Env:        cfg.Env,
+		BuildFlags: bc.loadFlags,
+	}, ids...)
+}
+
+// guessDeps returns, sorted, the packages the files of patterns import as
+// go/build selects those files for the loading build, or nil when a pattern
+// is not a plain directory or a package is unusual (cgo, unreadable). It is
+// a guess at the direct dependencies go list will report: the go command
+// may judge files differently (GOFLAGS in go env, a toolchain's default
+// tags), and one pattern's package may import another's.
+func guessDeps(cfg Config, bc *buildConfig, patterns []string) []string {
+	ctx := bc.ctx
+	ctx.BuildTags = append(slices.Clone(bc.tags), LoadTag)
+	seen := map[string]bool{}
+	var ids []string
+	for _, pattern := range patterns {
+		if strings.Contains(pattern, "...") || !build.IsLocalImport(pattern) && !filepath.IsAbs(pattern) {
+			return nil
+		}
+		dir := pattern
+		if !filepath.IsAbs(dir) {
+			dir = filepath.Join(cfg.Dir, dir)
+		}
+		p, err := ctx.ImportDir(dir, 0)
+		if err != nil || len(p.CgoFiles) > 0 {
+			return nil
+		}
+		for _, path := range p.Imports {
+			if path != "unsafe" && !seen[path] {
+				seen[path] = true
+				ids = append(ids, path)
+			}
+		}
+	}
+	sort.Strings(ids)
+	return ids
+}
+
+// exportLoad is a go list -export started early, on guessed dependencies.
+type exportLoad struct {
+	ids    []string
+	cancel context.CancelFunc
+	done   chan struct{}
+	pkgs   []*packages.Package
+	err    error
+}
+
+func startExportLoad(ctx context.Context, cfg Config, bc *buildConfig, ids []string) *exportLoad {
+	ctx, cancel := context.WithCancel(ctx)
+	l := &exportLoad{ids: ids, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(l.done)
+		l.pkgs, l.err = loadExports(ctx, cfg, bc, ids)
+	}()
+	return l
+}
+
+// wait returns the load's result.
+func (l *exportLoad) wait() ([]*packages.Package, error) {
+	<-l.done
+	return l.pkgs, l.err
+}
+
+// stop ends the load if it is still running and waits for its go command
+// to exit, so that none outlives the call that started it.
+func (l *exportLoad) stop() {
+	if l == nil {
+		return
+	}
+	l.cancel()
+	<-l.done
 }
 
 type importerFunc func(path string) (*types.Package, error)
