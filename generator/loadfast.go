@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -44,9 +45,13 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 		early = startExportLoad(ctx, cfg, bc, ids)
 		defer early.stop()
 	}
+	// Without NeedCompiledGoFiles: go list -compiled prepares the build of
+	// every dependency and takes twice as long. The compiled files are the
+	// Go files unless cgo or SWIG generates more, and such a package is
+	// left to go/packages.
 	meta, err := packages.Load(&packages.Config{
 		Context:    ctx,
-		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
+		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
 		Dir:        cfg.Dir,
 		Env:        cfg.Env,
 		BuildFlags: bc.loadFlags,
@@ -56,9 +61,10 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	roots := map[string]*packages.Package{} // by ID
 	for _, p := range meta {
-		if len(p.Errors) > 0 || p.Module == nil {
+		if len(p.Errors) > 0 || p.Module == nil || slices.ContainsFunc(p.OtherFiles, isSWIG) {
 			return nil, errSlowPath
 		}
+		p.CompiledGoFiles = p.GoFiles
 		roots[p.ID] = p
 	}
 	// A dependency that itself imports one of the packages loaded from
@@ -120,6 +126,7 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	// dependencies' export data; then type-check the packages in import
 	// order, each once.
 	var wg sync.WaitGroup
+	cgo := false
 	for _, p := range meta {
 		p.Fset = fset
 		p.Syntax = make([]*ast.File, len(p.CompiledGoFiles))
@@ -131,6 +138,7 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 				mu.Lock()
 				defer mu.Unlock()
 				p.Syntax[i] = f
+				cgo = cgo || f != nil && importsC(f)
 				var list scanner.ErrorList
 				if errors.As(err, &list) {
 					for _, e := range list {
@@ -174,6 +182,9 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 
 	wg.Wait()
+	if cgo {
+		return nil, errSlowPath
+	}
 
 	done := map[string]bool{}
 	var check func(p *packages.Package, stack map[string]bool) error
@@ -252,6 +263,23 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	sort.Slice(meta, func(i, j int) bool { return meta[i].PkgPath < meta[j].PkgPath })
 	return meta, nil
+}
+
+// isSWIG reports whether path is a SWIG interface file, from which the go
+// command generates Go files.
+func isSWIG(path string) bool {
+	return strings.HasSuffix(path, ".swig") || strings.HasSuffix(path, ".swigcxx")
+}
+
+// importsC reports whether f uses cgo, whose generated Go files the go
+// command compiles in place of f.
+func importsC(f *ast.File) bool {
+	for _, imp := range f.Imports {
+		if path, _ := strconv.Unquote(imp.Path.Value); path == "C" {
+			return true
+		}
+	}
+	return false
 }
 
 // loadExports runs go list -export for the packages ids.

@@ -1,6 +1,9 @@
 package generator_test
 
 import (
+	"context"
+	"fmt"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"testing"
@@ -64,5 +67,41 @@ func F(context.Context, pgx.Tx) { sub.F() }
 		if got := generator.GuessDeps(cfg, pattern); got != nil {
 			t.Errorf("GuessDeps(%q) = %v, want nil", pattern, got)
 		}
+	}
+}
+
+// TestCgoBothLoaders checks that a package using cgo, whose compiled files
+// are cgo's output rather than its own files, gives the same files and
+// errors with the fast loader as with go/packages.
+func TestCgoBothLoaders(t *testing.T) {
+	if _, err := exec.LookPath("gcc"); err != nil {
+		t.Skip("cgo needs a C compiler")
+	}
+	mod := newModule(t)
+	dir := filepath.Join(mod, "cgo")
+	write(t, filepath.Join(dir, "c.go"), `package cgo
+
+// typedef struct { int n; } pair;
+import "C"
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+type Req struct{ N int }
+
+//idem:http route="POST /twice"
+func Twice(ctx context.Context, tx pgx.Tx, in Req) (C.pair, error) { return C.pair{}, nil }
+`)
+	cfg := generator.Config{Dir: dir, Env: append(goEnv(), "CGO_ENABLED=1")}
+	files, err := generator.Generate(context.Background(), cfg, ".")
+	slowFiles, slowErr := generator.Generate(generator.WithGoPackagesLoader(context.Background()), cfg, ".")
+	if diff := cmp.Diff(fmt.Sprint(slowErr), fmt.Sprint(err)); diff != "" {
+		t.Errorf("errors of go/packages (-) and the fast loader (+) differ:\n%s", diff)
+	}
+	if diff := cmp.Diff(slowFiles, files); diff != "" {
+		t.Errorf("files of go/packages (-) and the fast loader (+) differ:\n%s", diff)
 	}
 }
