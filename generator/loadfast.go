@@ -33,9 +33,9 @@ var errSlowPath = errors.New("use go/packages")
 // compile every matched package to produce export data nothing reads.
 //
 // For anything unusual (a go list error, a dependency without export data
-// because it does not compile, a package the loader cannot place) it returns
-// errSlowPath, and the caller loads with go/packages, which handles every
-// case; both produce the same Package fields idemgen reads.
+// because it does not compile, a package the loader cannot place, cgo) it
+// returns errSlowPath, and the caller loads with go/packages, which handles
+// every case; both produce the same Package fields idemgen reads.
 func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []string) ([]*packages.Package, error) {
 	// The second go list, for the dependencies' export data, need not wait
 	// for the first: it starts at once on the imports read from the roots'
@@ -300,8 +300,8 @@ func loadExports(ctx context.Context, cfg Config, bc *buildConfig, ids []string)
 // may judge files differently (GOFLAGS in go env, a toolchain's default
 // tags), and one pattern's package may import another's.
 func guessDeps(cfg Config, bc *buildConfig, patterns []string) []string {
-	ctx := bc.ctx
-	ctx.BuildTags = append(slices.Clone(bc.tags), LoadTag)
+	bctx := bc.ctx
+	bctx.BuildTags = append(slices.Clone(bc.tags), LoadTag)
 	seen := map[string]bool{}
 	var ids []string
 	for _, pattern := range patterns {
@@ -312,7 +312,7 @@ func guessDeps(cfg Config, bc *buildConfig, patterns []string) []string {
 		if !filepath.IsAbs(dir) {
 			dir = filepath.Join(cfg.Dir, dir)
 		}
-		p, err := ctx.ImportDir(dir, 0)
+		p, err := bctx.ImportDir(dir, 0)
 		if err != nil || len(p.CgoFiles) > 0 {
 			return nil
 		}
