@@ -7,3 +7,8 @@ import "context"
 func WithGoPackagesLoader(ctx context.Context) context.Context {
 	return context.WithValue(ctx, goPackagesOnly{}, true)
 }
+
+// GuessDeps is guessDeps under cfg's build configuration.
+func GuessDeps(cfg Config, patterns ...string) []string {
+	return guessDeps(cfg, newBuildConfig(cfg), patterns)
+}

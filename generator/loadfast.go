@@ -6,12 +6,16 @@ import (
 	"errors"
 	"fmt"
 	"go/ast"
+	"go/build"
 	"go/parser"
 	"go/scanner"
 	"go/token"
 	"go/types"
 	"os"
+	"path/filepath"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -29,13 +33,25 @@ var errSlowPath = errors.New("use go/packages")
 // compile every matched package to produce export data nothing reads.
 //
 // For anything unusual (a go list error, a dependency without export data
-// because it does not compile, a package the loader cannot place) it returns
-// errSlowPath, and the caller loads with go/packages, which handles every
-// case; both produce the same Package fields idemgen reads.
+// because it does not compile, a package the loader cannot place, cgo) it
+// returns errSlowPath, and the caller loads with go/packages, which handles
+// every case; both produce the same Package fields idemgen reads.
 func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []string) ([]*packages.Package, error) {
+	// The second go list, for the dependencies' export data, need not wait
+	// for the first: it starts at once on the imports read from the roots'
+	// files, and is used only if go list then reports the same ones.
+	var early *exportLoad
+	if ids := guessDeps(cfg, bc, patterns); len(ids) > 0 {
+		early = startExportLoad(ctx, cfg, bc, ids)
+		defer early.stop()
+	}
+	// Without NeedCompiledGoFiles: go list -compiled prepares the build of
+	// every dependency and takes twice as long. The compiled files are the
+	// Go files unless cgo or SWIG generates more, and such a package is
+	// left to go/packages.
 	meta, err := packages.Load(&packages.Config{
 		Context:    ctx,
-		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedCompiledGoFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
+		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
 		Dir:        cfg.Dir,
 		Env:        cfg.Env,
 		BuildFlags: bc.loadFlags,
@@ -45,9 +61,10 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	roots := map[string]*packages.Package{} // by ID
 	for _, p := range meta {
-		if len(p.Errors) > 0 || p.Module == nil {
+		if len(p.Errors) > 0 || p.Module == nil || slices.ContainsFunc(p.OtherFiles, isSWIG) {
 			return nil, errSlowPath
 		}
+		p.CompiledGoFiles = p.GoFiles
 		roots[p.ID] = p
 	}
 	// A dependency that itself imports one of the packages loaded from
@@ -109,6 +126,7 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	// dependencies' export data; then type-check the packages in import
 	// order, each once.
 	var wg sync.WaitGroup
+	cgo := false
 	for _, p := range meta {
 		p.Fset = fset
 		p.Syntax = make([]*ast.File, len(p.CompiledGoFiles))
@@ -120,6 +138,7 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 				mu.Lock()
 				defer mu.Unlock()
 				p.Syntax[i] = f
+				cgo = cgo || f != nil && importsC(f)
 				var list scanner.ErrorList
 				if errors.As(err, &list) {
 					for _, e := range list {
@@ -133,13 +152,16 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	sort.Strings(depIDs)
 	if len(depIDs) > 0 {
-		deps, err := packages.Load(&packages.Config{
-			Context:    ctx,
-			Mode:       packages.NeedName | packages.NeedExportFile,
-			Dir:        cfg.Dir,
-			Env:        cfg.Env,
-			BuildFlags: bc.loadFlags,
-		}, depIDs...)
+		// The early go list ran with exactly these arguments, so its result
+		// is the one a go list started now would give; a wrong guess is
+		// abandoned.
+		var deps []*packages.Package
+		if early != nil && slices.Equal(early.ids, depIDs) {
+			deps, err = early.wait()
+		} else {
+			early.stop()
+			deps, err = loadExports(ctx, cfg, bc, depIDs)
+		}
 		if err != nil {
 			wg.Wait()
 			return nil, fmt.Errorf("load dependencies of %s: %w", strings.Join(patterns, " "), err)
@@ -160,6 +182,9 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 
 	wg.Wait()
+	if cgo {
+		return nil, errSlowPath
+	}
 
 	done := map[string]bool{}
 	var check func(p *packages.Package, stack map[string]bool) error
@@ -238,6 +263,103 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 	sort.Slice(meta, func(i, j int) bool { return meta[i].PkgPath < meta[j].PkgPath })
 	return meta, nil
+}
+
+// isSWIG reports whether path is a SWIG interface file, from which the go
+// command generates Go files.
+func isSWIG(path string) bool {
+	return strings.HasSuffix(path, ".swig") || strings.HasSuffix(path, ".swigcxx")
+}
+
+// importsC reports whether f uses cgo, whose generated Go files the go
+// command compiles in place of f.
+func importsC(f *ast.File) bool {
+	for _, imp := range f.Imports {
+		if path, _ := strconv.Unquote(imp.Path.Value); path == "C" {
+			return true
+		}
+	}
+	return false
+}
+
+// loadExports runs go list -export for the packages ids.
+func loadExports(ctx context.Context, cfg Config, bc *buildConfig, ids []string) ([]*packages.Package, error) {
+	return packages.Load(&packages.Config{
+		Context:    ctx,
+		Mode:       packages.NeedName | packages.NeedExportFile,
+		Dir:        cfg.Dir,
+		Env:        cfg.Env,
+		BuildFlags: bc.loadFlags,
+	}, ids...)
+}
+
+// guessDeps returns, sorted, the packages the files of patterns import as
+// go/build selects those files for the loading build, or nil when a pattern
+// is not a plain directory or a package is unusual (cgo, unreadable). It is
+// a guess at the direct dependencies go list will report: the go command
+// may judge files differently (GOFLAGS in go env, a toolchain's default
+// tags), and one pattern's package may import another's.
+func guessDeps(cfg Config, bc *buildConfig, patterns []string) []string {
+	bctx := bc.ctx
+	bctx.BuildTags = append(slices.Clone(bc.tags), LoadTag)
+	seen := map[string]bool{}
+	var ids []string
+	for _, pattern := range patterns {
+		if strings.Contains(pattern, "...") || !build.IsLocalImport(pattern) && !filepath.IsAbs(pattern) {
+			return nil
+		}
+		dir := pattern
+		if !filepath.IsAbs(dir) {
+			dir = filepath.Join(cfg.Dir, dir)
+		}
+		p, err := bctx.ImportDir(dir, 0)
+		if err != nil || len(p.CgoFiles) > 0 {
+			return nil
+		}
+		for _, path := range p.Imports {
+			if path != "unsafe" && !seen[path] {
+				seen[path] = true
+				ids = append(ids, path)
+			}
+		}
+	}
+	sort.Strings(ids)
+	return ids
+}
+
+// exportLoad is a go list -export started early, on guessed dependencies.
+type exportLoad struct {
+	ids    []string
+	cancel context.CancelFunc
+	done   chan struct{}
+	pkgs   []*packages.Package
+	err    error
+}
+
+func startExportLoad(ctx context.Context, cfg Config, bc *buildConfig, ids []string) *exportLoad {
+	ctx, cancel := context.WithCancel(ctx)
+	l := &exportLoad{ids: ids, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(l.done)
+		l.pkgs, l.err = loadExports(ctx, cfg, bc, ids)
+	}()
+	return l
+}
+
+// wait returns the load's result.
+func (l *exportLoad) wait() ([]*packages.Package, error) {
+	<-l.done
+	return l.pkgs, l.err
+}
+
+// stop ends the load if it is still running and waits for its go command
+// to exit, so that none outlives the call that started it.
+func (l *exportLoad) stop() {
+	if l == nil {
+		return
+	}
+	l.cancel()
+	<-l.done
 }
 
 type importerFunc func(path string) (*types.Package, error)
