@@ -516,6 +516,7 @@ func TestNewHTTPValidates(t *testing.T) {
 		"negative body limit": {MaxBodyBytes: -1},
 		"none and a list":     {NoReplayHeaders: true, ReplayHeaders: []string{"Location"}},
 		"negative conn check": {ConnCheckInterval: -time.Second},
+		"read-only tx":        {TxOptions: pgx.TxOptions{AccessMode: pgx.ReadOnly}},
 	} {
 		if _, err := idem.NewHTTP(store, cfg); err == nil {
 			t.Errorf("%s: accepted", name)

@@ -213,6 +213,11 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 		return nil, errors.New("idem.NewHTTP: nil store")
 	}
 	h := &HTTP{store: store, principal: cfg.Principal, strict: cfg.DisallowUnknownFields, txOptions: cfg.TxOptions, logger: cfg.Logger}
+	if strings.EqualFold(string(cfg.TxOptions.AccessMode), string(pgx.ReadOnly)) {
+		// Every keyed request would run the function and then fail to
+		// store its response, forever.
+		return nil, errors.New("idem.NewHTTP: TxOptions.AccessMode is read only, but the response is stored in the function's transaction")
+	}
 	switch {
 	case cfg.MaxBodyBytes == 0:
 		h.maxBody = DefaultMaxBodyBytes
@@ -661,6 +666,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 	if claim != nil {
 		doing = "begin and claim key"
 	}
+	retried := false
 	for {
 		actx, cancel := context.WithDeadline(ctx, deadline)
 		conn, err := h.store.pool.Acquire(actx)
@@ -689,7 +695,18 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 		if tx != nil {
 			rollback(ctx, tx) // a refused setting or claim left it aborted
 		}
+		dead := conn.Conn().IsClosed()
 		conn.Release()
+		if dead && !retried && ctx.Err() == nil && !errors.Is(err, errBusy) && time.Now().Before(deadline) {
+			// The connection broke under the batch: most often a pooled
+			// one whose session had already ended (a failover, a
+			// terminated backend) while it sat idle for less than the
+			// pool's ping threshold. Nothing this batch did can have
+			// committed (it holds no COMMIT), so one more try on another
+			// connection is safe.
+			retried = true
+			continue
+		}
 		if check > 0 && connCheckRefused(err) && h.connCheckMS.CompareAndSwap(check, 0) {
 			h.logger.WarnContext(ctx, "PostgreSQL refuses client_connection_check_interval; a killed process frees its keys only when its statement ends",
 				"err", err)

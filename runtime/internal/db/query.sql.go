@@ -1432,7 +1432,7 @@ const StoreKey = `-- name: StoreKey :exec
 WITH stored AS (
     INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
     VALUES ($1, $2, $3, $4, $5, CAST($6::text AS jsonb), $7,
-            now() + make_interval(secs => $8::float8))
+            statement_timestamp() + make_interval(secs => $8::float8))
     ON CONFLICT (scope, principal, key) DO UPDATE
     SET fingerprint = excluded.fingerprint, status_code = excluded.status_code, headers = excluded.headers,
         body = excluded.body, created_at = excluded.created_at, expires_at = excluded.expires_at
@@ -1461,7 +1461,10 @@ type StoreKeyParams struct {
 // after this transaction's snapshot, which PostgreSQL itself reports as a
 // serialization failure): idem_key_completed_elsewhere raises 40001 then,
 // so the COMMIT pipelined after this statement is skipped and the effect
-// rolls back; the retry replays the row. The headers are sent as text: a
+// rolls back; the retry replays the row. The TTL counts from this
+// statement, the completion, not from the transaction's start (the claim):
+// a function slower than its TTL still leaves a key that replays for the
+// whole TTL. The headers are sent as text: a
 // []byte parameter would be sent as a bytea literal by a pool that does not
 // describe statements (QueryExecModeExec, QueryExecModeSimpleProtocol),
 // which jsonb refuses.
