@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -62,7 +63,8 @@ type EventSpec[T any] struct {
 	Context string
 	// EventID returns the event's id from the decoded payload. Nil reads the
 	// EventIDHeader record header instead. A panic in it (a nil pointer id
-	// field) makes the record a dead letter, like an empty id.
+	// field) makes the record a dead letter at once, like an empty id or
+	// one holding a NUL byte.
 	EventID func(T) string
 	// Decode decodes a record value. Nil decodes JSON.
 	Decode func([]byte) (T, error)
@@ -104,6 +106,14 @@ func Consume[T any](spec EventSpec[T], fn func(context.Context, pgx.Tx, T) error
 			}
 			if id == "" {
 				return nil, "", fmt.Errorf("record has no event id (no %s header, or an empty id field)", EventIDHeader)
+			}
+			if i := strings.IndexByte(id, 0); i >= 0 {
+				// PostgreSQL text never holds a NUL, whatever the pool's
+				// exec mode; refused here, before any SQL, because with
+				// QueryExecModeSimpleProtocol the id is inlined in the
+				// query string, where a NUL breaks the protocol message
+				// (08P01, an outage) instead of failing the insert (22021).
+				return nil, "", fmt.Errorf("event id holds a NUL byte (byte %d of %d), which PostgreSQL text cannot store", i, len(id))
 			}
 			return ev, id, nil
 		},

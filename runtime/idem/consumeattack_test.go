@@ -1,0 +1,132 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// An event id holding a NUL byte is dead-lettered at once, before any SQL,
+// whatever the pool's exec mode, in both the per-record and the batch path.
+// With QueryExecModeSimpleProtocol pgx inlines the id into the pipeline's
+// query string, where the NUL broke the protocol message: PostgreSQL
+// answered 08P01 "invalid message format", which is an outage, so the
+// record was waited out forever and its partition never moved on. (With
+// the other modes it failed the dedupe insert with 22021 and was retried
+// through the whole budget, for an id that can never be stored.)
+func TestNULEventIDRefusedBeforeSQL(t *testing.T) {
+	t.Parallel()
+	modes := []struct {
+		name string
+		mode pgx.QueryExecMode
+	}{
+		{"simple protocol", pgx.QueryExecModeSimpleProtocol},
+		{"exec", pgx.QueryExecModeExec},
+		{"cache statement", pgx.QueryExecModeCacheStatement},
+	}
+	for _, m := range modes {
+		for _, batch := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/batch=%v", m.name, batch), func(t *testing.T) {
+				t.Parallel()
+				pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
+					c.MaxConns = 2
+					c.ConnConfig.DefaultQueryExecMode = m.mode
+				})
+				if err := idem.Migrate(context.Background(), pool); err != nil {
+					t.Fatal(err)
+				}
+				pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+				store := idem.NewStore(pool)
+				p := processor(t, store, 3)
+				// The id from the header (raw bytes) and from a field (JSON's \u0000).
+				fromHeader := idem.Consume(idem.EventSpec[event]{Topic: "events", Context: "header"},
+					func(ctx context.Context, tx pgx.Tx, e event) error {
+						_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, amount) VALUES ('header', $1)`, e.Amount)
+						return err
+					})
+				fromField := handler(insertEffect)
+				recs := []*idem.Record{
+					{Topic: "events", Offset: 0, Value: []byte(`{"id":"before","amount":1}`),
+						Headers: []idem.RecordHeader{{Key: idem.EventIDHeader, Value: []byte("before")}}},
+					{Topic: "events", Offset: 1, Key: []byte("k\x00"), Value: []byte(`{"id":"a\u0000b","amount":1}`),
+						Headers: []idem.RecordHeader{{Key: idem.EventIDHeader, Value: []byte("a\x00b")}}},
+					{Topic: "events", Offset: 2, Value: []byte(`{"id":"after","amount":1}`),
+						Headers: []idem.RecordHeader{{Key: idem.EventIDHeader, Value: []byte("after")}}},
+				}
+				want := []idem.Outcome{idem.Applied, idem.DeadLettered, idem.Applied}
+				for _, h := range []*idem.EventHandler{&fromHeader, &fromField} {
+					// Bounded: on the old code the simple-protocol record
+					// never ended.
+					ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+					var got []idem.Outcome
+					if batch {
+						var err error
+						if got, err = p.ProcessBatch(ctx, h, recs); err != nil {
+							cancel()
+							t.Fatalf("%s: ProcessBatch: %v (outcomes %v)", h.Context, err, got)
+						}
+					} else {
+						for _, rec := range recs {
+							o, err := p.Process(ctx, h, rec)
+							if err != nil {
+								cancel()
+								t.Fatalf("%s: Process(offset %d): %v", h.Context, rec.Offset, err)
+							}
+							got = append(got, o)
+						}
+					}
+					cancel()
+					if fmt.Sprint(got) != fmt.Sprint(want) {
+						t.Fatalf("%s: outcomes %v, want %v", h.Context, got, want)
+					}
+				}
+				var ids []int64
+				rows, err := pool.Query(context.Background(), `SELECT id FROM idem_dead_letters ORDER BY id`)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if ids, err = pgx.CollectRows(rows, pgx.RowTo[int64]); err != nil || len(ids) != 2 {
+					t.Fatalf("dead letters %v (%v), want 2", ids, err)
+				}
+				for _, id := range ids {
+					dl, err := store.DeadLetter(context.Background(), id)
+					if err != nil {
+						t.Fatal(err)
+					}
+					// At once, with the raw bytes: the id can never be stored.
+					if dl.Attempts != 1 || !strings.Contains(dl.LastError, "NUL byte") || dl.Record.Offset != 1 ||
+						!bytes.Equal(dl.Record.Key, recs[1].Key) || !bytes.Equal(dl.Record.Headers[0].Value, []byte("a\x00b")) {
+						t.Fatalf("dead letter %d: attempts %d, error %q, offset %d, key %q, headers %q; want 1 attempt refusing the NUL",
+							id, dl.Attempts, dl.LastError, dl.Record.Offset, dl.Record.Key, dl.Record.Headers)
+					}
+				}
+				if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_processed_events`); n != 4 {
+					t.Fatalf("%d processed events, want 4 (before and after, per context)", n)
+				}
+				if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 4 {
+					t.Fatalf("%d effects, want 4", n)
+				}
+			})
+		}
+	}
+}
+
+// unindexableID is an event id PostgreSQL refuses in the processed-event
+// index: 3200 bytes that do not compress (54000, the index row over 2704
+// bytes), while a NUL is refused before any SQL.
+func unindexableID() string {
+	b := make([]byte, 1600)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
