@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"time"
@@ -234,7 +235,8 @@ type ProcessorConfig struct {
 	StorageTimeout time.Duration
 	// IdleInTransactionTimeout is PostgreSQL's
 	// idle_in_transaction_session_timeout for the processor's transactions
-	// (0: DefaultIdleInTransactionTimeout; negative: leave the session's).
+	// (0: DefaultIdleInTransactionTimeout; negative: leave the session's; at
+	// most PostgreSQL's maximum, 2147483647ms, about 24.8 days).
 	// A consumer frozen mid-record (SIGSTOP, a paused VM) keeps its
 	// connection open and its processed-event row locked; after this the
 	// server ends its session, so the member that took its partitions over
@@ -249,6 +251,10 @@ type ProcessorConfig struct {
 	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
 }
+
+// maxIdleInTransactionTimeout is the largest
+// idle_in_transaction_session_timeout PostgreSQL accepts (INT_MAX ms).
+const maxIdleInTransactionTimeout = math.MaxInt32 * time.Millisecond
 
 // Processor applies records to event handlers: per record, in one
 // transaction, the processed-event row and the handler's writes. It is
@@ -279,6 +285,13 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 	}
 	if cfg.StorageTimeout < 0 {
 		return nil, fmt.Errorf("idem: NewProcessor: StorageTimeout %v is negative", cfg.StorageTimeout)
+	}
+	if cfg.IdleInTransactionTimeout > maxIdleInTransactionTimeout {
+		// PostgreSQL refuses the setting with 22023, a data exception that
+		// reads as the record's failure: every record, valid or not, was
+		// dead-lettered.
+		return nil, fmt.Errorf("idem: NewProcessor: IdleInTransactionTimeout %v is over PostgreSQL's maximum %v",
+			cfg.IdleInTransactionTimeout, maxIdleInTransactionTimeout)
 	}
 	cfg.Retry = cfg.Retry.withDefaults()
 	cfg.Outage = cfg.Outage.withDefaults()

@@ -130,3 +130,41 @@ func unindexableID() string {
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
 }
+
+// An IdleInTransactionTimeout over PostgreSQL's maximum (INT_MAX ms, about
+// 24.8 days) is refused by NewProcessor. It was accepted, and then the
+// setting sent with every BEGIN failed with 22023, a data exception, which
+// the processor takes for the record's failure: every record, valid ones
+// included, was retried through its budget and dead-lettered. The maximum
+// itself is accepted, and PostgreSQL takes it.
+func TestIdleInTransactionTimeoutOverPostgresMaximum(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	const pgMax = 2147483647 * time.Millisecond
+	for _, d := range []time.Duration{pgMax + time.Millisecond, 30 * 24 * time.Hour} {
+		if _, err := idem.NewProcessor(store, idem.ProcessorConfig{IdleInTransactionTimeout: d}); err == nil {
+			t.Errorf("NewProcessor accepted IdleInTransactionTimeout %v, over PostgreSQL's maximum", d)
+		}
+	}
+	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		IdleInTransactionTimeout: pgMax,
+		Retry:                    idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+	})
+	if err != nil {
+		t.Fatalf("NewProcessor refused PostgreSQL's maximum: %v", err)
+	}
+	h := handler(insertEffect)
+	if o := processBounded(t, p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"e1","amount":1}`)}); o != idem.Applied {
+		t.Fatalf("outcome %v with IdleInTransactionTimeout at PostgreSQL's maximum, want applied", o)
+	}
+	recs := []*idem.Record{
+		{Topic: "events", Offset: 1, Value: []byte(`{"id":"e2","amount":1}`)},
+		{Topic: "events", Offset: 2, Value: []byte(`{"id":"e3","amount":1}`)},
+	}
+	if got, err := p.ProcessBatch(context.Background(), &h, recs); err != nil || fmt.Sprint(got) != "[applied applied]" {
+		t.Fatalf("batch: %v, %v; want both applied", got, err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 3 {
+		t.Fatalf("%d effects, want 3", n)
+	}
+}
