@@ -441,6 +441,9 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		if err := safeCall(eventContext(ctx, h, id), h, tx, ev); err != nil {
 			return 0, handlerFailure(tx, err)
 		}
+		if connLeftBusy(tx) {
+			return 0, errConnLeftBusy
+		}
 		outcome = Applied
 		crash.Point(ctx, "consume.after-call")
 	} else if replayID == 0 {
@@ -609,6 +612,11 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 				return nil, err
 			}
 			return nil, &batchRecordFailure{index: i, err: err}
+		}
+		if connLeftBusy(tx) {
+			// Charged to this record, not to the next one whose
+			// statements would fail on the busy connection.
+			return nil, &batchRecordFailure{index: i, err: errConnLeftBusy}
 		}
 		outcomes[i] = Applied
 	}

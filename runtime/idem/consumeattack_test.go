@@ -168,3 +168,95 @@ func TestIdleInTransactionTimeoutOverPostgresMaximum(t *testing.T) {
 		t.Fatalf("%d effects, want 3", n)
 	}
 }
+
+// A handler that leaves its transaction's connection busy — a Rows not
+// closed, a QueryRow not scanned — fails every statement after it with
+// pgconn's "conn busy", which pgconn calls safe to retry. That is the
+// handler's doing and recurs on every attempt: it is the record's failure,
+// dead-lettered after the budget, never an outage. It was waited out
+// forever ("storage unavailable" at COMMIT, or the handler's own next
+// statement), the handler re-run on every try and the partition stuck. In
+// a batch, only the record whose handler left the connection busy is
+// charged: the records after it are applied even with a budget of one.
+func TestHandlerLeavingConnBusyIsRecordFailure(t *testing.T) {
+	t.Parallel()
+	cases := map[string]func(ctx context.Context, tx pgx.Tx) error{
+		// Returns nil: the COMMIT finds the connection busy.
+		"rows left open": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Query(ctx, `SELECT generate_series(1, 10)`)
+			return err
+		},
+		// Its own next statement finds the connection busy.
+		"statement after open rows": func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Query(ctx, `SELECT 1`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `SELECT 2`)
+			return err
+		},
+		"row not scanned": func(ctx context.Context, tx pgx.Tx) error {
+			tx.QueryRow(ctx, `SELECT 1`)
+			return nil
+		},
+	}
+	for name, leak := range cases {
+		for _, batch := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/batch=%v", name, batch), func(t *testing.T) {
+				t.Parallel()
+				pool, store := consumeDB(t)
+				p := processor(t, store, 1)
+				h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+					if err := insertEffect(ctx, tx, e); err != nil {
+						return err
+					}
+					if *e.ID == "leaky" {
+						return leak(ctx, tx)
+					}
+					return nil
+				})
+				recs := []*idem.Record{
+					{Topic: "events", Offset: 0, Value: []byte(`{"id":"before","amount":1}`)},
+					{Topic: "events", Offset: 1, Value: []byte(`{"id":"leaky","amount":1}`)},
+					{Topic: "events", Offset: 2, Value: []byte(`{"id":"after","amount":1}`)},
+				}
+				// Bounded: on the old code the leaky record never ended.
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				var got []idem.Outcome
+				if batch {
+					var err error
+					if got, err = p.ProcessBatch(ctx, &h, recs); err != nil {
+						t.Fatalf("ProcessBatch: %v (outcomes %v)", err, got)
+					}
+				} else {
+					for _, rec := range recs {
+						o, err := p.Process(ctx, &h, rec)
+						if err != nil {
+							t.Fatalf("Process(offset %d): %v", rec.Offset, err)
+						}
+						got = append(got, o)
+					}
+				}
+				if want := "[applied dead-lettered applied]"; fmt.Sprint(got) != want {
+					t.Fatalf("outcomes %v, want %s", got, want)
+				}
+				dl, err := store.DeadLetter(context.Background(), 1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if dl.Record.Offset != 1 || dl.Attempts != 1 || !strings.Contains(dl.LastError, "busy") {
+					t.Fatalf("dead letter: offset %d, attempts %d, error %q", dl.Record.Offset, dl.Attempts, dl.LastError)
+				}
+				if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 1 {
+					t.Fatalf("%d dead letters, want 1", n)
+				}
+				if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE event_id <> 'leaky'`); n != 2 {
+					t.Fatalf("%d effects of the other records, want 2", n)
+				}
+				if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE event_id = 'leaky'`); n != 0 {
+					t.Fatalf("the leaky record's effect committed %d times", n)
+				}
+			})
+		}
+	}
+}

@@ -62,10 +62,32 @@ func handlerFailure(tx pgx.Tx, err error) error {
 	// A dead connection means the database went away under the handler
 	// (pgconn closes the connection on any network failure); whatever the
 	// handler made of that error, the record is not at fault.
-	if tx.Conn().IsClosed() || isOutageError(err) {
+	if tx.Conn().IsClosed() {
+		return &outageError{err: err}
+	}
+	if connLeftBusy(tx) {
+		// Checked before isOutageError: the handler's own next statement
+		// fails with "conn busy", which pgconn calls safe to retry.
+		return fmt.Errorf("%w: %w", errConnLeftBusy, err)
+	}
+	if isOutageError(err) {
 		return &outageError{err: err}
 	}
 	return err
+}
+
+// errConnLeftBusy is a handler returning with its transaction's connection
+// still busy: every statement after that, COMMIT included, fails with
+// pgconn's "conn busy" (safe to retry, nothing was sent), so it looked like
+// an outage and was waited out forever. It is the handler's doing and
+// recurs on every attempt: the record's failure.
+var errConnLeftBusy = errors.New("the handler left its transaction's connection busy (a Rows not closed, a QueryRow not scanned)")
+
+// connLeftBusy reports whether tx's connection is open and still reading a
+// result the handler started and did not finish.
+func connLeftBusy(tx pgx.Tx) bool {
+	c := tx.Conn()
+	return !c.IsClosed() && c.PgConn().IsBusy()
 }
 
 // isOutage reports whether err, from one attempt, is an infrastructure
