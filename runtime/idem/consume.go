@@ -441,8 +441,8 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		if err := safeCall(eventContext(ctx, h, id), h, tx, ev); err != nil {
 			return 0, handlerFailure(tx, err)
 		}
-		if connLeftBusy(tx) {
-			return 0, errConnLeftBusy
+		if err := handlerLeftTx(tx); err != nil {
+			return 0, err
 		}
 		outcome = Applied
 		crash.Point(ctx, "consume.after-call")
@@ -613,10 +613,10 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			}
 			return nil, &batchRecordFailure{index: i, err: err}
 		}
-		if connLeftBusy(tx) {
-			// Charged to this record, not to the next one whose
-			// statements would fail on the busy connection.
-			return nil, &batchRecordFailure{index: i, err: errConnLeftBusy}
+		if err := handlerLeftTx(tx); err != nil {
+			// Charged to this record, before the next one's handler runs
+			// on a busy connection or outside the transaction.
+			return nil, &batchRecordFailure{index: i, err: err}
 		}
 		outcomes[i] = Applied
 	}

@@ -260,3 +260,91 @@ func TestHandlerLeavingConnBusyIsRecordFailure(t *testing.T) {
 		}
 	}
 }
+
+// A handler that rolls its transaction back itself and returns nil — with a
+// ROLLBACK or ABORT statement, or tx.Rollback — is the record's failure.
+// After a ROLLBACK statement nothing was left to commit, not the effect nor
+// the processed-event row, yet the COMMIT that followed "succeeded"
+// (PostgreSQL only warns that no transaction is in progress): the record
+// was reported applied with nothing stored, its offset would be marked and
+// the event lost. In a batch the next records' handlers then ran outside
+// any transaction, their effects autocommitted without processed-event
+// rows (applied again on redelivery); with tx.Rollback, the next record's
+// handler failed on the closed transaction and was charged for it. Now
+// only the record that ended its transaction is dead-lettered; the others
+// are applied once.
+func TestHandlerEndingItsTransactionIsRecordFailure(t *testing.T) {
+	t.Parallel()
+	cases := map[string]func(ctx context.Context, tx pgx.Tx) error{
+		"ROLLBACK statement": func(ctx context.Context, tx pgx.Tx) error { _, err := tx.Exec(ctx, `ROLLBACK`); return err },
+		"ABORT statement":    func(ctx context.Context, tx pgx.Tx) error { _, err := tx.Exec(ctx, `ABORT`); return err },
+		"tx.Rollback":        func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
+	}
+	for name, end := range cases {
+		for _, batch := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/batch=%v", name, batch), func(t *testing.T) {
+				t.Parallel()
+				pool, store := consumeDB(t)
+				p := processor(t, store, 1)
+				h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+					if err := insertEffect(ctx, tx, e); err != nil {
+						return err
+					}
+					if *e.ID == "ender" {
+						return end(ctx, tx)
+					}
+					return nil
+				})
+				recs := []*idem.Record{
+					{Topic: "events", Offset: 0, Value: []byte(`{"id":"before","amount":1}`)},
+					{Topic: "events", Offset: 1, Value: []byte(`{"id":"ender","amount":1}`)},
+					{Topic: "events", Offset: 2, Value: []byte(`{"id":"after","amount":1}`)},
+				}
+				// Twice: the second run is a redelivery, which must add nothing.
+				for round := range 2 {
+					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+					var got []idem.Outcome
+					if batch {
+						var err error
+						if got, err = p.ProcessBatch(ctx, &h, recs); err != nil {
+							cancel()
+							t.Fatalf("ProcessBatch: %v (outcomes %v)", err, got)
+						}
+					} else {
+						for _, rec := range recs {
+							o, err := p.Process(ctx, &h, rec)
+							if err != nil {
+								cancel()
+								t.Fatalf("Process(offset %d): %v", rec.Offset, err)
+							}
+							got = append(got, o)
+						}
+					}
+					cancel()
+					want := "[applied dead-lettered applied]"
+					if round == 1 {
+						want = "[duplicate dead-lettered duplicate]"
+					}
+					if fmt.Sprint(got) != want {
+						t.Fatalf("round %d: outcomes %v, want %s", round, got, want)
+					}
+				}
+				dl, err := store.DeadLetter(context.Background(), 1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if dl.Record.Offset != 1 || !strings.Contains(dl.LastError, "ended its transaction") {
+					t.Fatalf("dead letter: offset %d, error %q", dl.Record.Offset, dl.LastError)
+				}
+				for id, want := range map[string]int64{"before": 1, "ender": 0, "after": 1} {
+					if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE event_id = $1`, id); n != want {
+						t.Errorf("%d effects of %s, want %d", n, id, want)
+					}
+					if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_processed_events WHERE event_id = $1`, id); n != want {
+						t.Errorf("%d processed events of %s, want %d", n, id, want)
+					}
+				}
+			})
+		}
+	}
+}

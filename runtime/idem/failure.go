@@ -90,6 +90,35 @@ func connLeftBusy(tx pgx.Tx) bool {
 	return !c.IsClosed() && c.PgConn().IsBusy()
 }
 
+// errTxEndedByHandler is a handler returning nil after ending its
+// transaction itself: tx.Commit or tx.Rollback, or a COMMIT, ROLLBACK,
+// ABORT or END statement. After a ROLLBACK statement nothing was left to
+// commit — not the effect, not the processed-event row — yet the COMMIT
+// that followed "succeeded" (PostgreSQL only warns that no transaction is
+// in progress), so the record was reported applied and its offset marked:
+// lost. Statements run after it (the next records of a batch) were
+// autocommitted without their processed-event rows, applied again on
+// redelivery. It is the record's failure, whichever way the transaction
+// ended (a COMMIT statement made it durable: the retry is a duplicate).
+var errTxEndedByHandler = errors.New("the handler ended its transaction itself (Commit, Rollback, or a COMMIT/ROLLBACK statement)")
+
+// handlerLeftTx checks the transaction a handler returned nil on, before
+// anything else runs on it: left busy, or ended by the handler, it is the
+// record's failure. A closed connection is left to COMMIT to report (an
+// outage).
+func handlerLeftTx(tx pgx.Tx) error {
+	c := tx.Conn()
+	switch {
+	case c.IsClosed():
+		return nil
+	case c.PgConn().IsBusy():
+		return errConnLeftBusy
+	case c.PgConn().TxStatus() == 'I':
+		return errTxEndedByHandler
+	}
+	return nil
+}
+
 // isOutage reports whether err, from one attempt, is an infrastructure
 // failure (wait, use no attempt) rather than the record's.
 func (p *Processor) isOutage(err error) bool {
