@@ -22,55 +22,101 @@ SELECT set_config('idle_in_transaction_session_timeout', @timeout::text, true);
 -- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true);
 
--- name: ClaimKey :execrows
--- Claims (scope, principal, key) for this transaction when the key has no
--- row: the transaction-scoped advisory lock on @lock_id (a 64-bit hash of the
--- key, see idem.Key) is the in-flight marker, and only its holder may insert
--- or take over the row, so this statement never waits on a concurrent claim
--- of the same key. A key that has a row (the common replay) is left alone:
--- no advisory lock, no row lock, no transaction id, no WAL, so a replay is a
--- read and replays of one key never serialise. CASE fixes the order: the
--- lock is tried only when the row is absent (the planner may reorder AND).
--- It returns 1 row when the key is new, 0 when the lock is held elsewhere
--- (the key is in flight) or a row exists (TakeOverExpiredKey and GetKey tell
--- which). Advisory locks are per database, not per schema: the lock id is
--- XORed with this idem_keys table's OID, so the same key in flight in another
--- schema's table (another tenant's or test's schema) is not taken for this
--- one's.
-INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
-SELECT @scope, @principal, @key, @fingerprint, now() + make_interval(secs => @ttl_seconds::float8)
-WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = @scope AND k.principal = @principal AND k.key = @key)
-           THEN false
-           ELSE pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) END
-ON CONFLICT (scope, principal, key) DO NOTHING;
+-- name: SetTxSettings :exec
+-- The transaction's settings in one statement, sent with BEGIN (see
+-- SetLockTimeout, SetConnectionCheck and SetIdleInTransactionTimeout for
+-- what each is for). An empty value leaves that setting as the session has
+-- it; CASE keeps an unset one from being touched at all, so a server that
+-- does not know client_connection_check_interval only refuses it when asked
+-- to set it. The session's lock_timeout is kept in idem.saved_lock_timeout
+-- for RestoreLockTimeout.
+SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
+       CASE WHEN @lock_timeout::text <> '' THEN set_config('lock_timeout', @lock_timeout::text, true) END,
+       CASE WHEN @conn_check::text <> '' THEN set_config('client_connection_check_interval', @conn_check::text, true) END,
+       CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END;
 
--- name: TakeOverExpiredKey :execrows
--- Takes over the key's row when it has expired (after its TTL a key counts
--- as new), under the same advisory lock as ClaimKey; a live row is only read
--- (the CASE tries the lock for an expired row only, and a row that fails the
--- WHERE is neither locked nor written). 1 row: this transaction now runs the
--- key. Any wait here is on a row lock held by something else (a purge
--- deleting the expired row), bounded by lock_timeout.
-UPDATE idem_keys
-SET fingerprint = @fingerprint,
-    status_code = 0,
-    headers     = '{}',
-    body        = '',
-    created_at  = now(),
-    expires_at  = now() + make_interval(secs => @ttl_seconds::float8)
+-- name: ClaimKey :one
+-- Claims (scope, principal, key) for this transaction unless the key has a
+-- live row: the transaction-scoped advisory lock on @lock_id (a 64-bit hash
+-- of the key, see idem.Key) is the in-flight marker, and only its holder
+-- runs the key and writes its row (StoreKey, at completion: the row is
+-- written once, with the response). A key with a live row (the common
+-- replay) is left alone: no advisory lock, no row lock, no transaction id,
+-- no WAL, so a replay is a read and replays of one key never serialise. CASE
+-- fixes the order: the lock is tried only when no live row is seen (the
+-- planner may reorder AND). It returns false when the lock is held elsewhere
+-- (the key is in flight) or a live row exists; true when this transaction
+-- now holds the key, which GetKey, run next with a fresh snapshot, confirms:
+-- a row committed between this statement's snapshot and the lock is seen
+-- there (under read committed). Advisory locks are per database, not per
+-- schema: the lock id is XORed with this idem_keys table's OID, so the same
+-- key in flight in another schema's table (another tenant's or test's
+-- schema) is not taken for this one's.
+SELECT CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
+                         WHERE k.scope = @scope AND k.principal = @principal AND k.key = @key AND k.expires_at > now())
+            THEN false
+            ELSE pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) END::boolean AS claimed;
+
+-- name: LockExpiredKey :exec
+-- Locks the key's row when it has expired and this transaction holds the
+-- key's advisory lock (taken by ClaimKey; trying it again is a no-op for its
+-- holder): the row is taken over, and StoreKey replaces it at completion
+-- without waiting. Any wait is here, on a row lock held by something else
+-- (a purge deleting the expired row), bounded by the claim's lock_timeout;
+-- a purge that deleted the row leaves nothing to lock, and StoreKey
+-- inserts. A live row is only read (the CASE tries the lock for an expired
+-- row only, and a row that fails the WHERE is not locked).
+SELECT 1 FROM idem_keys
 WHERE scope = @scope AND principal = @principal AND key = @key
-  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END;
+  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END
+FOR UPDATE;
 
 -- name: GetKey :one
--- live is false for an expired row: one being taken over is still in flight.
+-- live is false for an expired row: after its TTL a key counts as new.
 SELECT fingerprint, status_code, headers, body, expires_at, (expires_at > now())::boolean AS live
 FROM idem_keys
 WHERE scope = @scope AND principal = @principal AND key = @key;
 
--- name: CompleteKey :execrows
-UPDATE idem_keys
-SET status_code = @status_code, headers = @headers, body = @body
-WHERE scope = @scope AND principal = @principal AND key = @key;
+-- name: ClaimKeyRow :exec
+-- Sent only when the transaction's snapshot is older than the claim's lock
+-- (repeatable read, serializable, or a custom BEGIN the runtime cannot
+-- read), after GetKey. A row committed between that snapshot and the lock
+-- is invisible to ClaimKey and GetKey, which then see a free key; this
+-- INSERT finds it through the unique index and fails with a serialization
+-- failure (40001) before the function runs, so the function never runs a
+-- second time for a completed key. When there is no such row it writes a
+-- claim row visible only to this transaction (already expired, so StoreKey
+-- replaces it). Under read committed GetKey's fresh snapshot sees the row,
+-- and nothing is written before completion.
+INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
+SELECT @scope, @principal, @key, '\x'::bytea, now()
+WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
+                        WHERE k.scope = @scope AND k.principal = @principal AND k.key = @key AND k.expires_at > now())
+           THEN false
+           ELSE pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) END
+ON CONFLICT (scope, principal, key) DO NOTHING;
+
+-- name: StoreKey :exec
+-- Stores the response of the key this transaction claimed, in the
+-- transaction that made the effect: a new row, or an expired one taken
+-- over. A live row here means another transaction completed the key
+-- without the advisory lock (under repeatable read that is a row committed
+-- after this transaction's snapshot, which PostgreSQL itself reports as a
+-- serialization failure): idem_key_completed_elsewhere raises 40001 then,
+-- so the COMMIT pipelined after this statement is skipped and the effect
+-- rolls back; the retry replays the row.
+WITH stored AS (
+    INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+    VALUES (@scope, @principal, @key, @fingerprint, @status_code, @headers, @body,
+            now() + make_interval(secs => @ttl_seconds::float8))
+    ON CONFLICT (scope, principal, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint, status_code = excluded.status_code, headers = excluded.headers,
+        body = excluded.body, created_at = excluded.created_at, expires_at = excluded.expires_at
+    WHERE idem_keys.expires_at <= now()
+    RETURNING 1
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM stored) THEN true
+            ELSE idem_key_completed_elsewhere(@scope, @principal, @key) END::boolean;
 
 -- name: DeleteExpiredKeys :execrows
 -- One bounded batch: PostgreSQL's DELETE has no LIMIT, so the victims are

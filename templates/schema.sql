@@ -9,11 +9,12 @@
 -- version without idem_schema_version, say) would stall running replicas.
 -- Applied to existing tables, this file takes no lock a request conflicts with.
 
--- idem_keys holds one row per completed Idempotency-Key. The claim row is
--- inserted in the same transaction as the handler's own writes, so a row that
--- other transactions can see is always a completed one; an in-flight claim is
--- visible only as the uncommitted unique-index entry that concurrent
--- duplicates block on (see README "In-flight requests").
+-- idem_keys holds one row per completed Idempotency-Key, written once, with
+-- the response, in the same transaction as the handler's own writes
+-- (StoreKey), so a row that other transactions can see is always a
+-- completed one. A key in flight has no row: its marker is the claiming
+-- transaction's advisory lock (see ClaimKey and README "In-flight
+-- requests"). status_code's default is only for rows of older versions.
 CREATE TABLE IF NOT EXISTS idem_keys (
     scope        text        NOT NULL,
     principal    text        NOT NULL,
@@ -126,6 +127,19 @@ CREATE INDEX IF NOT EXISTS idem_dead_letters_created_at ON idem_dead_letters (cr
 -- The idem.dead_letters gauge counts the dead letters still waiting for an
 -- operator through this index.
 CREATE INDEX IF NOT EXISTS idem_dead_letters_unreplayed ON idem_dead_letters (id) WHERE replayed_at IS NULL;
+
+-- idem_key_completed_elsewhere fails the statement that calls it with a
+-- serialization failure (40001): StoreKey found the key it claimed already
+-- completed by another transaction, and the effect made under the claim
+-- must not commit.
+CREATE OR REPLACE FUNCTION idem_key_completed_elsewhere(scope text, principal text, key text) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RAISE EXCEPTION 'idempotency key % (scope %) was completed by another transaction', key, scope
+        USING ERRCODE = 'serialization_failure',
+              HINT = 'The request is retried and replays the stored response.';
+END
+$$;
 
 -- idem_uuid_v7 is a time-ordered UUID (RFC 9562 version 7: 48 bits of Unix
 -- milliseconds, then random bits), the default outbox event id. Every claim

@@ -2,7 +2,7 @@
 // table of ratios, all measured in the same run. Run it from the module root:
 //
 //	go run ./cmd/idembench            # short mode, a few minutes
-//	go run ./cmd/idembench -long      # more rounds, and 1M rows of history
+//	go run ./cmd/idembench -long      # more rounds, 1M rows of history, 100k bursts, cold caches
 //	go run ./cmd/idembench -only http,relay
 //
 // Each benchmark (go test -bench, one iteration) prints its rows as lines
@@ -26,22 +26,26 @@ import (
 	"github.com/idemgen/idemgen/internal/benchkit"
 )
 
-// suite is one go test -bench invocation.
+// suite is one go test -bench invocation; in long mode, longBench (if set)
+// replaces bench.
 type suite struct {
-	name, pkg, bench string
+	name, pkg, bench, longBench string
 }
 
 var suites = []suite{
-	{"http", "./runtime/idem", "^BenchmarkHTTPSideBySide$"},
-	{"consumer", "./runtime/kafka", "^BenchmarkConsumerSideBySide$"},
-	{"relay", "./runtime/kafka", "^BenchmarkRelaySideBySide$"},
-	{"storage", "./runtime/idem", "^BenchmarkOutboxAtScale$"},
-	{"generator", "./generator", "^BenchmarkGenerateVsVet$"},
+	{name: "http", pkg: "./runtime/idem", bench: "^BenchmarkHTTPSideBySide$"},
+	{name: "consumer", pkg: "./runtime/kafka", bench: "^BenchmarkConsumerSideBySide$"},
+	{name: "relay", pkg: "./runtime/kafka", bench: "^BenchmarkRelaySideBySide$"},
+	{name: "rss", pkg: "./internal/rssbench", bench: "^BenchmarkPeakRSS$"},
+	{name: "storage", pkg: "./runtime/idem", bench: "^BenchmarkOutboxAtScale$"},
+	// The cold-cache run compiles the standard library and pgx twice
+	// (30–80 s each): long mode only.
+	{name: "generator", pkg: "./generator", bench: "^BenchmarkGenerateVsVet$", longBench: "^BenchmarkGenerateVsVet(Cold)?$"},
 }
 
 func main() {
 	long := flag.Bool("long", false, "long mode: more rounds, and the figures at 1M rows of history")
-	only := flag.String("only", "", "comma-separated suites to run (http, consumer, relay, storage, generator); empty: all")
+	only := flag.String("only", "", "comma-separated suites to run (http, consumer, relay, rss, storage, generator); empty: all")
 	verbose := flag.Bool("v", false, "also print the benchmarks' own output")
 	flag.Parse()
 	if err := run(*long, *only, *verbose, os.Stdout); err != nil {
@@ -58,6 +62,7 @@ func run(long bool, only string, verbose bool, out io.Writer) error {
 		}
 	}
 	var rows []benchkit.Row
+	var failed error
 	start := time.Now()
 	for _, s := range suites {
 		if len(want) > 0 && !want[s.name] {
@@ -69,7 +74,10 @@ func run(long bool, only string, verbose bool, out io.Writer) error {
 		fmt.Fprintf(os.Stderr, "idembench: %s (%s)...\n", s.name, s.pkg)
 		got, err := runSuite(s, long, verbose)
 		if err != nil {
-			return fmt.Errorf("suite %s: %w", s.name, err)
+			// The suites before it may have taken many minutes: their
+			// rows are still printed.
+			failed = fmt.Errorf("suite %s: %w", s.name, err)
+			break
 		}
 		rows = append(rows, got...)
 	}
@@ -77,14 +85,22 @@ func run(long bool, only string, verbose bool, out io.Writer) error {
 	if long {
 		mode = "long"
 	}
-	fmt.Fprintf(out, "idembench, %s mode, %s, %s\n\n", mode, time.Now().UTC().Format(time.DateTime+" UTC"), time.Since(start).Round(time.Second))
+	if failed != nil {
+		mode += " mode, INCOMPLETE (a suite failed, see below)"
+	} else {
+		mode += " mode"
+	}
+	fmt.Fprintf(out, "idembench, %s, %s, %s\n\n", mode, time.Now().UTC().Format(time.DateTime+" UTC"), time.Since(start).Round(time.Second))
 	tw := tabwriter.NewWriter(out, 0, 0, 1, ' ', tabwriter.Debug)
 	fmt.Fprintln(tw, " Section\t Measurement\t Value\t Unit\t Target\t Detail")
 	fmt.Fprintln(tw, " ---\t ---\t ---\t ---\t ---\t ---")
 	for _, r := range rows {
 		fmt.Fprintf(tw, " %s\t %s\t %s\t %s\t %s\t %s\n", r.Section, r.Name, format(r.Value), r.Unit, r.Target, r.Detail)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return failed
 }
 
 func format(v float64) string {
@@ -100,7 +116,11 @@ func format(v float64) string {
 // runSuite runs one benchmark for one iteration (its rounds are inside) and
 // returns the rows it printed.
 func runSuite(s suite, long, verbose bool) ([]benchkit.Row, error) {
-	cmd := exec.Command("go", "test", "-count=1", "-run", "^$", "-bench", s.bench, "-benchtime", "1x", "-timeout", "60m", s.pkg)
+	bench := s.bench
+	if long && s.longBench != "" {
+		bench = s.longBench
+	}
+	cmd := exec.Command("go", "test", "-count=1", "-run", "^$", "-bench", bench, "-benchtime", "1x", "-timeout", "60m", s.pkg)
 	cmd.Env = os.Environ()
 	if long {
 		cmd.Env = append(cmd.Env, "IDEMBENCH_LONG=1")

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -127,3 +128,41 @@ func HistoryLabel() string {
 	}
 	return ""
 }
+
+// Memory is a process's resident set as /proc/<pid>/status reports it
+// (Linux): now (VmRSS) and its high-water mark since the process started
+// (VmHWM), in bytes.
+type Memory struct{ RSS, Peak int64 }
+
+// ProcMemory reads the resident set of process pid.
+func ProcMemory(pid int) (Memory, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return Memory{}, fmt.Errorf("read memory of process %d: %w", pid, err)
+	}
+	var m Memory
+	var seen int
+	for _, line := range strings.Split(string(b), "\n") {
+		name, value, ok := strings.Cut(line, ":")
+		if !ok || (name != "VmRSS" && name != "VmHWM") {
+			continue
+		}
+		var kB int64
+		if _, err := fmt.Sscanf(strings.TrimSpace(value), "%d kB", &kB); err != nil {
+			return Memory{}, fmt.Errorf("read memory of process %d: %s: %w", pid, line, err)
+		}
+		if name == "VmRSS" {
+			m.RSS = kB << 10
+		} else {
+			m.Peak = kB << 10
+		}
+		seen++
+	}
+	if seen != 2 {
+		return Memory{}, fmt.Errorf("read memory of process %d: no VmRSS and VmHWM in its status", pid)
+	}
+	return m, nil
+}
+
+// MiB is n bytes in mebibytes.
+func MiB(n int64) float64 { return float64(n) / (1 << 20) }

@@ -124,6 +124,11 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i))
 	}
 	hb.call(b, hb.idemH, "same")
+	// The pool's 8 backends, whose CPU time is read around each phase.
+	pids, err := benchkit.BackendPIDs(context.Background(), hb.pool, 8)
+	if err != nil {
+		b.Fatal(err)
+	}
 
 	type kind struct {
 		name string
@@ -149,10 +154,11 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		}
 		lat := map[string][]time.Duration{}
 		wall := map[string]time.Duration{}
+		cpu := map[string]benchkit.CPU{}
 		var seq atomic.Int64
 		for range rounds {
 			for _, k := range kinds {
-				start := time.Now()
+				start, cpuStart := time.Now(), benchkit.ReadCPU(pids)
 				var mu sync.Mutex
 				var wg sync.WaitGroup
 				var left atomic.Int64
@@ -174,6 +180,8 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 				}
 				wg.Wait()
 				wall[k.name] += time.Since(start)
+				used := benchkit.ReadCPU(pids).Sub(cpuStart)
+				cpu[k.name] = benchkit.CPU{Client: cpu[k.name].Client + used.Client, Server: cpu[k.name].Server + used.Server}
 			}
 		}
 		thr := map[string]float64{}
@@ -206,6 +214,16 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 			Value: float64(p50["replay"]) / float64(p50["first"]), Detail: detail("replay", "replay-same")})
 		benchkit.Emit(benchkit.Row{Section: sec, Name: "replay/first throughput", Unit: "ratio",
 			Value: thr["replay"] / thr["first"]})
+		perReq := func(k string) (client, server float64) {
+			ops := float64(n * rounds)
+			return float64(cpu[k].Client.Microseconds()) / ops, float64(cpu[k].Server.Microseconds()) / ops
+		}
+		bc, bs := perReq("bare")
+		fc, fs := perReq("first")
+		rc, rs := perReq("replay")
+		benchkit.Emit(benchkit.Row{Section: sec, Name: "first/bare CPU per request", Unit: "ratio",
+			Value:  (fc + fs) / (bc + bs),
+			Detail: fmt.Sprintf("µs of CPU per request, client + PostgreSQL backends: bare %.0f + %.0f, first %.0f + %.0f, replay %.0f + %.0f", bc, bs, fc, fs, rc, rs)})
 		if c > 1 {
 			benchkit.Emit(benchkit.Row{Section: sec, Name: "same-key/distinct-key replay throughput", Unit: "ratio", Target: "≥ 0.95",
 				Value: thr["replay-same"] / thr["replay"]})
@@ -234,9 +252,9 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP bare request", Unit: "round trips", Value: bareRT,
 		Detail: "BEGIN │ INSERT │ COMMIT"})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP first request", Unit: "round trips", Value: firstRT, Target: "3",
-		Detail: "BEGIN+settings │ claim batch │ the INSERT │ CompleteKey+COMMIT"})
+		Detail: "BEGIN+settings+claim │ the INSERT │ StoreKey+COMMIT"})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP replay", Unit: "round trips", Value: replayRT, Target: "2",
-		Detail: "BEGIN+settings │ claim batch │ ROLLBACK, sent after the response: the client waits for 2"})
+		Detail: "BEGIN+settings+claim │ ROLLBACK, sent after the response: the client waits for 1"})
 
 	// Does a replay write? WAL is server-wide: other sessions' writes count
 	// too, so the byte figure is an upper bound; the row's xmax is exact
@@ -256,6 +274,73 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "HTTP replay WAL (server-wide upper bound)", Unit: "bytes/replay",
 		Value: walBytes / replays, Target: "0",
 		Detail: fmt.Sprintf("replayed row xmax after replays: %s (0: not locked)", xmaxAfter)})
+
+	statementCPU(b, one.pool)
+}
+
+// statementCPU measures what the runtime's own statements cost PostgreSQL,
+// without the round trips: on one connection, the CPU time of its backend
+// per transaction sent as ONE pipelined batch, for
+//
+//   - bare:    BEGIN, the benchmark's INSERT, COMMIT;
+//   - runtime: BEGIN, SetTxSettings, ClaimKey, LockExpiredKey, GetKey,
+//     RestoreLockTimeout, the same INSERT, StoreKey, COMMIT — a first
+//     request's statements (its three round trips squeezed into one);
+//
+// each on a new key, in alternating rounds of 1,000 (5,000 long).
+func statementCPU(b *testing.B, pool *pgxpool.Pool) {
+	ctx := context.Background()
+	pids, err := benchkit.BackendPIDs(ctx, pool, 1)
+	if err != nil {
+		b.Fatal(err)
+	}
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Release()
+	send := func(runtime bool, key string) {
+		bt := &pgx.Batch{}
+		bt.Queue("begin")
+		if runtime {
+			bt.Queue(db.SetTxSettings, "10000ms", "1000ms", "120000ms")
+			bt.Queue(db.ClaimKey, "bench", "", key, int64(len(key)))
+			bt.Queue(db.LockExpiredKey, "bench", "", key, int64(len(key)))
+			bt.Queue(db.GetKey, "bench", "", key)
+			bt.Queue(db.RestoreLockTimeout)
+		}
+		bt.Queue(`INSERT INTO effects (order_id, amount) VALUES ($1, $2) RETURNING id`, "o-1", 100)
+		if runtime {
+			bt.Queue(db.StoreKey, "bench", "", key, []byte{1}, int32(201), []byte(`{"Location":["/x"]}`), []byte(`{"id":1}`), 86400.0)
+		}
+		bt.Queue("commit")
+		if err := conn.SendBatch(ctx, bt).Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for i := range 100 { // warm both shapes' statements and plans
+		send(false, "")
+		send(true, fmt.Sprintf("cpu-warm-%d-%d", b.N, i))
+	}
+	n := benchkit.Pick(1000, 5000)
+	var bare, runtime benchkit.CPU
+	for round := range 5 {
+		c0 := benchkit.ReadCPU(pids)
+		for range n {
+			send(false, "")
+		}
+		c1 := benchkit.ReadCPU(pids)
+		for i := range n {
+			send(true, fmt.Sprintf("cpu-%d-%d-%d", b.N, round, i))
+		}
+		c2 := benchkit.ReadCPU(pids)
+		bare.Server += c1.Sub(c0).Server
+		runtime.Server += c2.Sub(c1).Server
+	}
+	per := func(c benchkit.CPU) float64 { return float64(c.Server.Microseconds()) / float64(5*n) }
+	benchkit.Emit(benchkit.Row{Section: "Server CPU", Name: "first request's statements/bare, one pipeline", Unit: "ratio",
+		Value:  per(runtime) / per(bare),
+		Detail: fmt.Sprintf("µs of backend CPU per transaction sent as one batch: BEGIN+INSERT+COMMIT %.0f; with the runtime's 6 statements %.0f", per(bare), per(runtime))})
 }
 
 // BenchmarkOutboxAtScale measures the relay's claim of 500 PENDING rows (one

@@ -154,7 +154,9 @@ type HTTPConfig struct {
 	// field names match case-insensitively and a repeated field keeps its
 	// last value, as encoding/json does.
 	DisallowUnknownFields bool
-	// TxOptions starts each transaction (default: read committed).
+	// TxOptions starts each transaction (default: read committed). A
+	// custom BeginQuery costs a round trip per request: it is sent on its
+	// own, where BEGIN is otherwise pipelined with the claim.
 	TxOptions pgx.TxOptions
 	// ConnCheckInterval is PostgreSQL's client_connection_check_interval for
 	// the runtime's transactions (0: DefaultConnCheckInterval): a process
@@ -543,7 +545,7 @@ var (
 func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	deadline := time.Now().Add(ep.Wait)
 	if in.key == nil {
-		tx, conn, err := h.begin(ctx, deadline, false)
+		tx, conn, _, err := h.begin(ctx, deadline, nil)
 		if err != nil {
 			return nil, err
 		}
@@ -601,7 +603,9 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 // attempt is one claim transaction: it runs the function (claimed), replays
 // (a live row), or returns errElsewhere (in flight in another transaction).
 func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key, deadline time.Time, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
-	tx, conn, err := h.begin(ctx, deadline, true)
+	tx, conn, c, err := h.begin(ctx, deadline, &db.ClaimKeyParams{
+		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, LockID: stored.lockID(),
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -612,30 +616,10 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 			conn.Release()
 		}
 	}()
-
-	cctx, cancel := answerBound(ctx, deadline)
-	claimed, found, row, err := dbx.ClaimKeyRestore(cctx, tx, db.ClaimKeyParams{
-		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
-		Fingerprint: in.fingerprint, TtlSeconds: ep.TTL.Seconds(), LockID: stored.lockID(),
-	})
-	err = unanswered(ctx, cctx, "claim", err)
-	cancel()
-	if err != nil {
-		if errors.Is(err, errBusy) {
-			return nil, err
-		}
-		switch pgCode(err) {
-		case "55P03": // lock_timeout: not our key's lock, which is never waited on
-			return nil, fmt.Errorf("%w: claim waited for a table or row lock past the wait bound: %w", errBusy, err)
-		case "40001", "40P01":
-			return nil, errRetryClaim
-		}
-		return nil, storageErr(ctx, "claim key", err)
-	}
-	if !claimed {
-		if found && row.Live {
-			// The claim read the row and wrote nothing (ClaimKey locks no
-			// live row): the client gets its replay now, and the empty
+	if !c.claimed {
+		if c.found && c.row.Live {
+			// The claim read the row and wrote nothing (ClaimKey takes no
+			// lock for a live row): the client gets its replay now, and the empty
 			// transaction ends in the background, a round trip it need
 			// not wait for. The connection returns to the pool after.
 			async = true
@@ -643,7 +627,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 				endTx(ctx, tx)
 				conn.Release()
 			}()
-			return replay(ctx, row, in)
+			return replay(ctx, c.row, in)
 		}
 		return nil, errElsewhere
 	}
@@ -651,35 +635,53 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, call)
 }
 
+// claimResult is what a claim found: claimed, this transaction runs the
+// key; otherwise found tells whether row, the key's row, exists (when it
+// does not, the key is in flight in another transaction).
+type claimResult struct {
+	claimed, found bool
+	row            db.GetKeyRow
+}
+
 // begin acquires a connection within deadline and begins a transaction on
-// it; with claim, the transaction's lock_timeout is the time left until
-// deadline (restored by the claim batch). The caller releases conn after
-// ending tx.
-func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.Tx, *pgxpool.Conn, error) {
+// it with the engine's settings. With claim, the claim runs in the same
+// round trip (the transaction's lock_timeout is the time left until
+// deadline, restored before the function runs) and its result is returned.
+// The caller releases conn after ending tx. Errors are classified:
+// errBusy (the wait ran out), errRetryClaim (a serialization conflict), or
+// a storage failure.
+func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKeyParams) (pgx.Tx, *pgxpool.Conn, claimResult, error) {
+	doing := "begin"
+	if claim != nil {
+		doing = "begin and claim key"
+	}
 	for {
 		actx, cancel := context.WithDeadline(ctx, deadline)
 		conn, err := h.store.pool.Acquire(actx)
 		cancel()
 		if err != nil {
 			if ctxErr := ctx.Err(); ctxErr != nil {
-				return nil, nil, ctxErr
+				return nil, nil, claimResult{}, ctxErr
 			}
 			if errors.Is(err, context.DeadlineExceeded) {
-				return nil, nil, fmt.Errorf("%w: no database connection free within the wait: %w", errBusy, err)
+				return nil, nil, claimResult{}, fmt.Errorf("%w: no database connection free within the wait: %w", errBusy, err)
 			}
-			return nil, nil, storageErr(ctx, "acquire connection", err)
-		}
-		var lockTimeout time.Duration
-		if claim {
-			lockTimeout = max(time.Until(deadline), time.Millisecond)
+			return nil, nil, claimResult{}, storageErr(ctx, "acquire connection", err)
 		}
 		check := h.connCheckMS.Load()
+		s := dbx.Settings{ConnCheck: time.Duration(check) * time.Millisecond, Idle: h.idle}
+		if claim != nil {
+			s.LockTimeout = max(time.Until(deadline), time.Millisecond)
+		}
 		bctx, cancel := answerBound(ctx, deadline)
-		tx, err := conn.BeginTx(bctx, dbx.BoundedBegin(h.txOptions, lockTimeout, time.Duration(check)*time.Millisecond, h.idle))
-		err = unanswered(ctx, bctx, "begin", err)
+		tx, c, err := h.beginOn(bctx, conn.Conn(), s, claim)
+		err = unanswered(ctx, bctx, doing, err)
 		cancel()
 		if err == nil {
-			return tx, conn, nil
+			return tx, conn, c, nil
+		}
+		if tx != nil {
+			rollback(ctx, tx) // a refused setting or claim left it aborted
 		}
 		conn.Release()
 		if check > 0 && connCheckRefused(err) && h.connCheckMS.CompareAndSwap(check, 0) {
@@ -688,14 +690,43 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim bool) (pgx.T
 			continue
 		}
 		if errors.Is(err, errBusy) {
-			return nil, nil, err
+			return nil, nil, claimResult{}, err
 		}
-		return nil, nil, storageErr(ctx, "begin", err)
+		switch pgCode(err) {
+		case "55P03": // lock_timeout: not our key's lock, which is never waited on
+			return nil, nil, claimResult{}, fmt.Errorf("%w: claim waited for a table or row lock past the wait bound: %w", errBusy, err)
+		case "40001", "40P01":
+			if claim != nil {
+				return nil, nil, claimResult{}, errRetryClaim
+			}
+		}
+		return nil, nil, claimResult{}, storageErr(ctx, doing, err)
 	}
 }
 
+// beginOn begins the transaction on conn and runs the claim, if any: in one
+// pipelined round trip, or in two when TxOptions has a custom BeginQuery
+// (which may hold several statements, see dbx.Pipelined). On error tx, when
+// not nil, is still to be rolled back.
+func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, claim *db.ClaimKeyParams) (tx pgx.Tx, c claimResult, err error) {
+	if dbx.Pipelined(h.txOptions) {
+		if claim == nil {
+			tx, err = dbx.Begin(ctx, conn, h.txOptions, s)
+			return tx, c, err
+		}
+		tx, c.claimed, c.found, c.row, err = dbx.BeginClaim(ctx, conn, h.txOptions, s, *claim)
+		return tx, c, err
+	}
+	tx, err = conn.BeginTx(ctx, dbx.BoundedBegin(h.txOptions, s.LockTimeout, s.ConnCheck, s.Idle))
+	if err != nil || claim == nil {
+		return tx, c, err
+	}
+	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), *claim)
+	return tx, c, err
+}
+
 // endTx rolls tx back unless its connection is already out of a
-// transaction (CompleteKeyCommit committed it in the same round trip as the
+// transaction (StoreKeyCommit committed it in the same round trip as the
 // response, which tx does not know): a ROLLBACK then would be a round trip
 // for nothing.
 func endTx(ctx context.Context, tx pgx.Tx) {
@@ -771,9 +802,9 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// The response is stored and the transaction committed in one
 		// round trip; a failed store skips the COMMIT (the transaction
 		// rolls back).
-		err = dbx.CompleteKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.CompleteKeyParams{
-			StatusCode: int32(out.status), Headers: headers, Body: body,
-			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key,
+		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.StoreKeyParams{
+			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
+			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
 		switch c := pgCode(err); {
 		case err == nil:
@@ -783,6 +814,12 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			// or running: it may have committed. Saying "nothing was done"
 			// could be false; a retry with the key is right either way.
 			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "store response and commit", err))
+		case c == "40001" || c == "40P01":
+			// Nothing committed: the key was completed by another
+			// transaction after this one's snapshot (StoreKey), or the
+			// COMMIT lost a serialization race. The next attempt replays
+			// or runs the function again.
+			return nil, errRetryClaim
 		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
 		case strings.HasPrefix(c, "22") || c == "54000":

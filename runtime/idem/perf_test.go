@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -84,9 +85,14 @@ func TestExpiredKeyTakenOverOnce(t *testing.T) {
 }
 
 // Issue 11: round trips counted on the wire (pgx's statement cache warm). A
-// first request costs BEGIN (with its settings) │ the claim batch │ the
-// function's INSERT │ CompleteKey with COMMIT: 4, down from 5. A replay
-// costs BEGIN │ the claim batch │ ROLLBACK, the last after the response.
+// first request costs BEGIN with its settings and the claim, pipelined │
+// the function's INSERT │ StoreKey with COMMIT: 3, the bare handler's
+// count (it was 5, then 4 with BEGIN on its own). A replay costs the same
+// first round trip, after which the client has its answer, and the
+// ROLLBACK sent after the response: 2 (was 3). A request without a key
+// (KeyOptional) costs BEGIN with its settings │ the INSERT │ COMMIT: 3.
+// A custom BeginQuery, which may hold several statements, cannot be
+// pipelined: BEGIN goes on its own and a first request costs 4.
 // The minimum over a few requests is taken: a pool may ping a connection
 // that sat idle, which is not the request's cost.
 func TestRoundTripsOnTheWire(t *testing.T) {
@@ -118,11 +124,29 @@ func TestRoundTripsOnTheWire(t *testing.T) {
 	}
 	first := minTrips(t, &rt, idle, func(i int) { do(h, "k-rt-"+string(rune('a'+i)), body1) })
 	replay := minTrips(t, &rt, idle, func(int) { do(h, "k-rt-warm", body1) })
-	if first != 4 {
-		t.Errorf("first request: %d round trips, want 4", first)
+	if first != 3 {
+		t.Errorf("first request: %d round trips, want 3", first)
 	}
-	if replay != 3 {
-		t.Errorf("replay: %d round trips (the last one after the response), want 3", replay)
+	if replay != 2 {
+		t.Errorf("replay: %d round trips (the last one after the response), want 2", replay)
+	}
+
+	noKey := e.handlerWith(idem.Endpoint{KeyOptional: true}, nil)
+	do(noKey, "", body1)
+	if n := minTrips(t, &rt, idle, func(int) { do(noKey, "", body1) }); n != 3 {
+		t.Errorf("request without a key: %d round trips, want 3", n)
+	}
+
+	// A custom BeginQuery still works, begun on its own.
+	custom := e.handlerWith(idem.Endpoint{Scope: "test.custom"}, func(c *idem.HTTPConfig) {
+		c.TxOptions = pgx.TxOptions{BeginQuery: "begin isolation level repeatable read; set local statement_timeout = '5s'"}
+	})
+	do(custom, "k-rt-custom-warm", body1)
+	if n := minTrips(t, &rt, idle, func(i int) { do(custom, "k-rt-custom-"+string(rune('a'+i)), body1) }); n != 4 {
+		t.Errorf("first request with a custom BeginQuery: %d round trips, want 4", n)
+	}
+	if r := do(custom, "k-rt-custom-a", body1); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Errorf("replay with a custom BeginQuery: %d %s", r.status, r.body)
 	}
 }
 
@@ -221,4 +245,136 @@ func TestOutboxEventIDsTimeOrdered(t *testing.T) {
 		t.Fatal(err)
 	}
 	enqueueAndCheck(3)
+}
+
+// handlerWith is e.handler(ep) on an engine whose config is e.cfg changed
+// by mod (nil: unchanged); e.cfg itself is left as it was.
+func (e *env) handlerWith(ep idem.Endpoint, mod func(*idem.HTTPConfig)) http.Handler {
+	saved := e.cfg
+	defer func() { e.cfg = saved }()
+	if mod != nil {
+		mod(&e.cfg)
+	}
+	return e.handler(ep)
+}
+
+// Issue 11: BEGIN, the settings and the claim go in one pipelined round
+// trip. When the claim fails in that batch (here it waits for a table lock
+// past the wait bound: lock_timeout, a 503), the aborted transaction is
+// rolled back and the connection goes back to the pool clean: the same
+// backend serves the next request, and none of the transaction's settings
+// (lock_timeout, idle_in_transaction_session_timeout) outlive it.
+func TestPipelinedClaimFailureLeavesConnectionClean(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	ctx := context.Background()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
+	e := &env{t: t, pool: pool}
+	h := e.handler(idem.Endpoint{Wait: 200 * time.Millisecond})
+	if r := do(h, "k-clean-1", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	session := func() (pid int32, lockTimeout, idle string) {
+		t.Helper()
+		if err := pool.QueryRow(ctx, `SELECT pg_backend_pid(), current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout')`).Scan(&pid, &lockTimeout, &idle); err != nil {
+			t.Fatal(err)
+		}
+		return pid, lockTimeout, idle
+	}
+	pid, lockTimeout, idle := session()
+
+	locker, err := pgx.Connect(ctx, pool.Config().ConnConfig.ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close(ctx)
+	ltx, err := locker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ltx.Exec(ctx, `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	r := do(h, "k-clean-2", body1)
+	_ = ltx.Rollback(ctx)
+	wantProblem(t, r, http.StatusServiceUnavailable)
+
+	if p, l, i := session(); p != pid || l != lockTimeout || i != idle {
+		t.Fatalf("after the failed claim: backend %d lock_timeout %q idle %q, want backend %d (reused) and the session's %q %q",
+			p, l, i, pid, lockTimeout, idle)
+	}
+	if r := do(h, "k-clean-2", body1); r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("after the lock: %d %s", r.status, r.body)
+	}
+	if e.calls.Load() != 2 || e.effects() != 2 {
+		t.Fatalf("%d calls, %d effects, want 2 and 2", e.calls.Load(), e.effects())
+	}
+}
+
+// Issue 11: a first request writes its key row once, with the response
+// (StoreKey at completion), not a claim row at the start and an update
+// with the response at the end: in a new table the row is the page's first
+// tuple, where an insert followed by an update leaves it the second.
+func TestKeyRowWrittenOnce(t *testing.T) {
+	e := newEnv(t)
+	h := e.handler(idem.Endpoint{})
+	if r := do(h, "k-once", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	var ctid string
+	if err := e.pool.QueryRow(context.Background(), `SELECT ctid::text FROM idem_keys WHERE key = 'k-once'`).Scan(&ctid); err != nil {
+		t.Fatal(err)
+	}
+	if ctid != "(0,1)" {
+		t.Fatalf("key row at %s, want (0,1): written more than once", ctid)
+	}
+	if r := do(h, "k-once", body1); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %d %s", r.status, r.body)
+	}
+}
+
+// Issue 11: the key's row is written at completion, so a row that appears
+// while the function runs (written by something that did not take the key's
+// advisory lock: a runtime of an older version, a hand-made repair) must not
+// let the effect commit next to it. StoreKey finds it live and fails with a
+// serialization failure, the effect rolls back, and the retry replays the
+// row that is there: the effect is not doubled.
+func TestStoreKeyRefusesARowCompletedElsewhere(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	var once sync.Once
+	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
+		once.Do(func() {
+			pgtest.Exec(t, e.pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+				SELECT 'test.charge', '', 'k-elsewhere', fingerprint, 201, '{"Content-Type":["application/json"]}', '{"elsewhere":true}', now() + interval '1 hour'
+				FROM (SELECT '\x00'::bytea AS fingerprint) f`)
+		})
+		return nil
+	}
+	h := e.handler(idem.Endpoint{Wait: 2 * time.Second})
+	r := do(h, "k-elsewhere", body1)
+	if e.effects() != 0 {
+		t.Fatalf("%d effects committed next to a key completed elsewhere, want 0", e.effects())
+	}
+	if e.keys() != 1 {
+		t.Fatalf("%d key rows, want 1", e.keys())
+	}
+	var body string
+	if err := e.pool.QueryRow(ctx, `SELECT convert_from(body, 'UTF8') FROM idem_keys WHERE key = 'k-elsewhere'`).Scan(&body); err != nil {
+		t.Fatal(err)
+	}
+	if body != `{"elsewhere":true}` {
+		t.Fatalf("stored body %s: the row written elsewhere was overwritten", body)
+	}
+	// The retry found the row; its fingerprint is not this request's, so
+	// the answer is the mismatch (422), not a second run.
+	if r.status != http.StatusUnprocessableEntity {
+		t.Fatalf("answer %d %s, want 422 (the key was used with another body)", r.status, r.body)
+	}
+	if e.calls.Load() != 1 {
+		t.Fatalf("function ran %d times, want 1", e.calls.Load())
+	}
 }

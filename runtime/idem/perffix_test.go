@@ -137,7 +137,7 @@ func storm(t *testing.T, iso pgx.TxIsoLevel, ttl time.Duration) {
 
 // slowCommit makes the COMMIT of a request with amount 7 take a second: a
 // deferred constraint trigger sleeps at COMMIT, i.e. inside the pipelined
-// CompleteKey+COMMIT round trip.
+// StoreKey+COMMIT round trip.
 func slowCommit(t *testing.T, e *env) {
 	pgtest.Exec(t, e.pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
 		BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
@@ -160,7 +160,7 @@ func keyState(t *testing.T, e *env) (committed bool) {
 	return done == 1
 }
 
-// Issue 11 review: the client hangs up while the pipelined CompleteKey+COMMIT
+// Issue 11 review: the client hangs up while the pipelined StoreKey+COMMIT
 // is at the server. The outcome is one of two, and the answer (seen by a
 // shutdown-cancelled caller the same way) says which: committed (then the
 // answer is the success, and a retry replays it) or not (then a failure, and
@@ -270,7 +270,7 @@ func TestUUIDv7ConcurrentUnique(t *testing.T) {
 
 // Issue 11 review: the network goes down (the connection is reset, and a
 // cancel request cannot get through) while the pipelined
-// CompleteKey+COMMIT is at the server, and the server (without the
+// StoreKey+COMMIT is at the server, and the server (without the
 // connection check, as on a platform that has none) finishes the COMMIT.
 // The client cannot know which way it went, so the answer must not say
 // "nothing was done": it is a 503 that says the outcome is unknown, and the

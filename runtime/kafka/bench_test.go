@@ -57,12 +57,22 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 		pgtest.Exec(b, pool, `VACUUM ANALYZE idem_processed_events`)
 	}
 	p := producer(b, addrs)
+	// The pool's backends (pgxpool's default MaxConns here: 4), whose CPU
+	// time is read around each run.
+	pids, err := benchkit.BackendPIDs(context.Background(), pool, int(pool.Config().MaxConns))
+	if err != nil {
+		b.Fatal(err)
+	}
 	var perRecord, batch, bare time.Duration
 	var rtBare, rtRec, rtBatch int64
-	timed := func(total *time.Duration, trips *int64, run func() time.Duration) {
-		before := rt.Count()
+	var cpuBare, cpuRec, cpuBatch benchkit.CPU
+	timed := func(total *time.Duration, trips *int64, cpu *benchkit.CPU, run func() time.Duration) {
+		before, cpuBefore := rt.Count(), benchkit.ReadCPU(pids)
 		*total += run()
 		*trips += rt.Count() - before
+		used := benchkit.ReadCPU(pids).Sub(cpuBefore)
+		cpu.Client += used.Client
+		cpu.Server += used.Server
 	}
 	for round := 0; round < rounds; round++ {
 		var recs []*kgo.Record
@@ -79,9 +89,9 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 			}
 		}
 		tag := fmt.Sprintf("%d-%d", b.N, round)
-		timed(&bare, &rtBare, func() time.Duration { return bareConsume(b, addrs, pool, "bare-"+tag, start, records) })
-		timed(&perRecord, &rtRec, func() time.Duration { return idemConsume(b, addrs, pool, "rec-"+tag, start, records, 1) })
-		timed(&batch, &rtBatch, func() time.Duration { return idemConsume(b, addrs, pool, "batch-"+tag, start, records, 100) })
+		timed(&bare, &rtBare, &cpuBare, func() time.Duration { return bareConsume(b, addrs, pool, "bare-"+tag, start, records) })
+		timed(&perRecord, &rtRec, &cpuRec, func() time.Duration { return idemConsume(b, addrs, pool, "rec-"+tag, start, records, 1) })
+		timed(&batch, &rtBatch, &cpuBatch, func() time.Duration { return idemConsume(b, addrs, pool, "batch-"+tag, start, records, 100) })
 	}
 	n := float64(records * rounds)
 	detail := fmt.Sprintf("bare %.0f rec/s, per-record %.0f rec/s, batch %.0f rec/s; %d records × %d rounds, 3 partitions",
@@ -90,6 +100,16 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 		Value: bare.Seconds() / perRecord.Seconds(), Detail: detail})
 	benchkit.Emit(benchkit.Row{Section: "Consumer" + benchkit.HistoryLabel(), Name: "batch(100)/bare throughput", Unit: "ratio",
 		Value: bare.Seconds() / batch.Seconds()})
+	perRec := func(c benchkit.CPU) (client, server float64) {
+		return float64(c.Client.Microseconds()) / n, float64(c.Server.Microseconds()) / n
+	}
+	bc, bs := perRec(cpuBare)
+	rc, rs := perRec(cpuRec)
+	tc, ts := perRec(cpuBatch)
+	benchkit.Emit(benchkit.Row{Section: "Consumer" + benchkit.HistoryLabel(), Name: "per-record/bare PostgreSQL CPU per record", Unit: "ratio",
+		Value: rs / bs,
+		Detail: fmt.Sprintf("µs of CPU per record, PostgreSQL backends (this process, with the in-process kfake broker): bare %.0f (%.0f), per-record %.0f (%.0f), batch %.0f (%.0f)",
+			bs, bc, rs, rc, ts, tc)})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "consumer bare, per record", Unit: "round trips", Value: float64(rtBare) / n,
 		Detail: "BEGIN │ INSERT │ COMMIT"})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "consumer per-record, per record", Unit: "round trips", Value: float64(rtRec) / n, Target: "3",

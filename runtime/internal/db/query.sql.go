@@ -101,51 +101,83 @@ func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (Admin
 	return i, err
 }
 
-const ClaimKey = `-- name: ClaimKey :execrows
-INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
-SELECT $1, $2, $3, $4, now() + make_interval(secs => $5::float8)
-WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3)
-           THEN false
-           ELSE pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) END
-ON CONFLICT (scope, principal, key) DO NOTHING
+const ClaimKey = `-- name: ClaimKey :one
+SELECT CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
+                         WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3 AND k.expires_at > now())
+            THEN false
+            ELSE pg_try_advisory_xact_lock($4::bigint # 'idem_keys'::regclass::oid::bigint) END::boolean AS claimed
 `
 
 type ClaimKeyParams struct {
-	Scope       string
-	Principal   string
-	Key         string
-	Fingerprint []byte
-	TtlSeconds  float64
-	LockID      int64
+	Scope     string
+	Principal string
+	Key       string
+	LockID    int64
 }
 
-// Claims (scope, principal, key) for this transaction when the key has no
-// row: the transaction-scoped advisory lock on @lock_id (a 64-bit hash of the
-// key, see idem.Key) is the in-flight marker, and only its holder may insert
-// or take over the row, so this statement never waits on a concurrent claim
-// of the same key. A key that has a row (the common replay) is left alone:
-// no advisory lock, no row lock, no transaction id, no WAL, so a replay is a
-// read and replays of one key never serialise. CASE fixes the order: the
-// lock is tried only when the row is absent (the planner may reorder AND).
-// It returns 1 row when the key is new, 0 when the lock is held elsewhere
-// (the key is in flight) or a row exists (TakeOverExpiredKey and GetKey tell
-// which). Advisory locks are per database, not per schema: the lock id is
-// XORed with this idem_keys table's OID, so the same key in flight in another
-// schema's table (another tenant's or test's schema) is not taken for this
-// one's.
-func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, ClaimKey,
+// Claims (scope, principal, key) for this transaction unless the key has a
+// live row: the transaction-scoped advisory lock on @lock_id (a 64-bit hash
+// of the key, see idem.Key) is the in-flight marker, and only its holder
+// runs the key and writes its row (StoreKey, at completion: the row is
+// written once, with the response). A key with a live row (the common
+// replay) is left alone: no advisory lock, no row lock, no transaction id,
+// no WAL, so a replay is a read and replays of one key never serialise. CASE
+// fixes the order: the lock is tried only when no live row is seen (the
+// planner may reorder AND). It returns false when the lock is held elsewhere
+// (the key is in flight) or a live row exists; true when this transaction
+// now holds the key, which GetKey, run next with a fresh snapshot, confirms:
+// a row committed between this statement's snapshot and the lock is seen
+// there (under read committed). Advisory locks are per database, not per
+// schema: the lock id is XORed with this idem_keys table's OID, so the same
+// key in flight in another schema's table (another tenant's or test's
+// schema) is not taken for this one's.
+func (q *Queries) ClaimKey(ctx context.Context, arg ClaimKeyParams) (bool, error) {
+	row := q.db.QueryRow(ctx, ClaimKey,
 		arg.Scope,
 		arg.Principal,
 		arg.Key,
-		arg.Fingerprint,
-		arg.TtlSeconds,
 		arg.LockID,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	var claimed bool
+	err := row.Scan(&claimed)
+	return claimed, err
+}
+
+const ClaimKeyRow = `-- name: ClaimKeyRow :exec
+INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at)
+SELECT $1, $2, $3, '\x'::bytea, now()
+WHERE CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
+                        WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3 AND k.expires_at > now())
+           THEN false
+           ELSE pg_try_advisory_xact_lock($4::bigint # 'idem_keys'::regclass::oid::bigint) END
+ON CONFLICT (scope, principal, key) DO NOTHING
+`
+
+type ClaimKeyRowParams struct {
+	Scope     string
+	Principal string
+	Key       string
+	LockID    int64
+}
+
+// Sent only when the transaction's snapshot is older than the claim's lock
+// (repeatable read, serializable, or a custom BEGIN the runtime cannot
+// read), after GetKey. A row committed between that snapshot and the lock
+// is invisible to ClaimKey and GetKey, which then see a free key; this
+// INSERT finds it through the unique index and fails with a serialization
+// failure (40001) before the function runs, so the function never runs a
+// second time for a completed key. When there is no such row it writes a
+// claim row visible only to this transaction (already expired, so StoreKey
+// replaces it). Under read committed GetKey's fresh snapshot sees the row,
+// and nothing is written before completion.
+func (q *Queries) ClaimKeyRow(ctx context.Context, arg ClaimKeyRowParams) error {
+	_, err := q.db.Exec(ctx, ClaimKeyRow,
+		arg.Scope,
+		arg.Principal,
+		arg.Key,
+		arg.LockID,
+	)
+	return err
 }
 
 const ClaimOutboxBatch = `-- name: ClaimOutboxBatch :many
@@ -223,36 +255,6 @@ func (q *Queries) ClaimOutboxBatch(ctx context.Context, arg ClaimOutboxBatchPara
 		return nil, err
 	}
 	return items, nil
-}
-
-const CompleteKey = `-- name: CompleteKey :execrows
-UPDATE idem_keys
-SET status_code = $1, headers = $2, body = $3
-WHERE scope = $4 AND principal = $5 AND key = $6
-`
-
-type CompleteKeyParams struct {
-	StatusCode int32
-	Headers    []byte
-	Body       []byte
-	Scope      string
-	Principal  string
-	Key        string
-}
-
-func (q *Queries) CompleteKey(ctx context.Context, arg CompleteKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, CompleteKey,
-		arg.StatusCode,
-		arg.Headers,
-		arg.Body,
-		arg.Scope,
-		arg.Principal,
-		arg.Key,
-	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
 }
 
 const CountDeadLetters = `-- name: CountDeadLetters :one
@@ -591,7 +593,7 @@ type GetKeyRow struct {
 	Live        bool
 }
 
-// live is false for an expired row: one being taken over is still in flight.
+// live is false for an expired row: after its TTL a key counts as new.
 func (q *Queries) GetKey(ctx context.Context, arg GetKeyParams) (GetKeyRow, error) {
 	row := q.db.QueryRow(ctx, GetKey, arg.Scope, arg.Principal, arg.Key)
 	var i GetKeyRow
@@ -880,6 +882,38 @@ LISTEN idem_outbox
 
 func (q *Queries) ListenOutbox(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, ListenOutbox)
+	return err
+}
+
+const LockExpiredKey = `-- name: LockExpiredKey :exec
+SELECT 1 FROM idem_keys
+WHERE scope = $1 AND principal = $2 AND key = $3
+  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock($4::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END
+FOR UPDATE
+`
+
+type LockExpiredKeyParams struct {
+	Scope     string
+	Principal string
+	Key       string
+	LockID    int64
+}
+
+// Locks the key's row when it has expired and this transaction holds the
+// key's advisory lock (taken by ClaimKey; trying it again is a no-op for its
+// holder): the row is taken over, and StoreKey replaces it at completion
+// without waiting. Any wait is here, on a row lock held by something else
+// (a purge deleting the expired row), bounded by the claim's lock_timeout;
+// a purge that deleted the row leaves nothing to lock, and StoreKey
+// inserts. A live row is only read (the CASE tries the lock for an expired
+// row only, and a row that fails the WHERE is not locked).
+func (q *Queries) LockExpiredKey(ctx context.Context, arg LockExpiredKeyParams) error {
+	_, err := q.db.Exec(ctx, LockExpiredKey,
+		arg.Scope,
+		arg.Principal,
+		arg.Key,
+		arg.LockID,
+	)
 	return err
 }
 
@@ -1367,46 +1401,77 @@ func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
 	return err
 }
 
-const TakeOverExpiredKey = `-- name: TakeOverExpiredKey :execrows
-UPDATE idem_keys
-SET fingerprint = $1,
-    status_code = 0,
-    headers     = '{}',
-    body        = '',
-    created_at  = now(),
-    expires_at  = now() + make_interval(secs => $2::float8)
-WHERE scope = $3 AND principal = $4 AND key = $5
-  AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock($6::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END
+const SetTxSettings = `-- name: SetTxSettings :exec
+SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
+       CASE WHEN $1::text <> '' THEN set_config('lock_timeout', $1::text, true) END,
+       CASE WHEN $2::text <> '' THEN set_config('client_connection_check_interval', $2::text, true) END,
+       CASE WHEN $3::text <> '' THEN set_config('idle_in_transaction_session_timeout', $3::text, true) END
 `
 
-type TakeOverExpiredKeyParams struct {
-	Fingerprint []byte
-	TtlSeconds  float64
+type SetTxSettingsParams struct {
+	LockTimeout string
+	ConnCheck   string
+	Idle        string
+}
+
+// The transaction's settings in one statement, sent with BEGIN (see
+// SetLockTimeout, SetConnectionCheck and SetIdleInTransactionTimeout for
+// what each is for). An empty value leaves that setting as the session has
+// it; CASE keeps an unset one from being touched at all, so a server that
+// does not know client_connection_check_interval only refuses it when asked
+// to set it. The session's lock_timeout is kept in idem.saved_lock_timeout
+// for RestoreLockTimeout.
+func (q *Queries) SetTxSettings(ctx context.Context, arg SetTxSettingsParams) error {
+	_, err := q.db.Exec(ctx, SetTxSettings, arg.LockTimeout, arg.ConnCheck, arg.Idle)
+	return err
+}
+
+const StoreKey = `-- name: StoreKey :exec
+WITH stored AS (
+    INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7,
+            now() + make_interval(secs => $8::float8))
+    ON CONFLICT (scope, principal, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint, status_code = excluded.status_code, headers = excluded.headers,
+        body = excluded.body, created_at = excluded.created_at, expires_at = excluded.expires_at
+    WHERE idem_keys.expires_at <= now()
+    RETURNING 1
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM stored) THEN true
+            ELSE idem_key_completed_elsewhere($1, $2, $3) END::boolean
+`
+
+type StoreKeyParams struct {
 	Scope       string
 	Principal   string
 	Key         string
-	LockID      int64
+	Fingerprint []byte
+	StatusCode  int32
+	Headers     []byte
+	Body        []byte
+	TtlSeconds  float64
 }
 
-// Takes over the key's row when it has expired (after its TTL a key counts
-// as new), under the same advisory lock as ClaimKey; a live row is only read
-// (the CASE tries the lock for an expired row only, and a row that fails the
-// WHERE is neither locked nor written). 1 row: this transaction now runs the
-// key. Any wait here is on a row lock held by something else (a purge
-// deleting the expired row), bounded by lock_timeout.
-func (q *Queries) TakeOverExpiredKey(ctx context.Context, arg TakeOverExpiredKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, TakeOverExpiredKey,
-		arg.Fingerprint,
-		arg.TtlSeconds,
+// Stores the response of the key this transaction claimed, in the
+// transaction that made the effect: a new row, or an expired one taken
+// over. A live row here means another transaction completed the key
+// without the advisory lock (under repeatable read that is a row committed
+// after this transaction's snapshot, which PostgreSQL itself reports as a
+// serialization failure): idem_key_completed_elsewhere raises 40001 then,
+// so the COMMIT pipelined after this statement is skipped and the effect
+// rolls back; the retry replays the row.
+func (q *Queries) StoreKey(ctx context.Context, arg StoreKeyParams) error {
+	_, err := q.db.Exec(ctx, StoreKey,
 		arg.Scope,
 		arg.Principal,
 		arg.Key,
-		arg.LockID,
+		arg.Fingerprint,
+		arg.StatusCode,
+		arg.Headers,
+		arg.Body,
+		arg.TtlSeconds,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	return err
 }
 
 const TryJanitorLock = `-- name: TryJanitorLock :one

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemgen/idemgen/runtime/internal/db"
 )
@@ -26,6 +25,8 @@ import (
 // session after idle. The begin statement and the settings go as one
 // simple-protocol query (BEGIN keeps the transaction open past it); the
 // values are inlined as literals of digits, the only values they can hold.
+// It is for a transaction that cannot be Pipelined (a custom BeginQuery);
+// Begin and BeginClaim send the same settings as prepared statements.
 func BoundedBegin(opts pgx.TxOptions, lockTimeout, connCheck, idle time.Duration) pgx.TxOptions {
 	q := beginSQL(opts)
 	if lockTimeout > 0 {
@@ -67,55 +68,46 @@ func beginSQL(opts pgx.TxOptions) string {
 	return b.String()
 }
 
-// ClaimKeyRestore runs ClaimKey, TakeOverExpiredKey, GetKey and
-// RestoreLockTimeout in one pipelined round trip, inside a transaction begun
-// with BoundedBegin, so that the handler's own statements run with the
-// session's lock_timeout again. It reports whether ClaimKey inserted the row
-// or TakeOverExpiredKey took an expired one over, and otherwise the row
-// GetKey read (found false: there is none, so the key is in flight
-// elsewhere) without another round trip: under read committed, GetKey's fresh
-// snapshot sees a row that made the claim conflict. For a live row (a
-// replay) none of these statements writes or locks anything.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
+// ClaimKeyRestore runs ClaimKey, LockExpiredKey, GetKey and
+// RestoreLockTimeout in one pipelined round trip, inside a transaction begun with BoundedBegin, so
+// that the handler's own statements run with the session's lock_timeout
+// again. claimed reports that this transaction now holds the key (its
+// advisory lock) and that no live row answers it: the function is to run,
+// and StoreKey writes the row at completion (found then tells whether an
+// expired row is being taken over). Otherwise found reports whether row,
+// the key's row, exists: live, it is the stored response; absent or
+// expired, the key is in flight in another transaction. GetKey runs after
+// ClaimKey took the lock, so under read committed its fresh snapshot sees a
+// row committed by the lock's previous holder; under an older snapshot
+// rowCheck (SnapshotBeforeClaim) adds ClaimKeyRow, which fails with 40001
+// on such a row. For a live row (a replay) none of these statements writes
+// or locks anything.
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
-	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.TtlSeconds, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		claimed = claimed || ct.RowsAffected() == 1
-		return nil
-	})
-	b.Queue(db.TakeOverExpiredKey, arg.Fingerprint, arg.TtlSeconds, arg.Scope, arg.Principal, arg.Key, arg.LockID).Exec(func(ct pgconn.CommandTag) error {
-		claimed = claimed || ct.RowsAffected() == 1
-		return nil
-	})
-	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
-		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return nil
-		}
-		found = err == nil
-		return err
-	})
-	b.Queue(db.RestoreLockTimeout)
+	var locked bool
+	queueClaim(b, arg, rowCheck, &locked, &found, &row)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return false, false, db.GetKeyRow{}, err
 	}
-	return claimed, found, row, nil
+	return locked && !(found && row.Live), found, row, nil
 }
 
-// ErrCommit wraps the COMMIT's own failure in CompleteKeyCommit, so that the
-// caller can tell it from CompleteKey's.
+// ErrCommit wraps the COMMIT's own failure in StoreKeyCommit, so that the
+// caller can tell it from StoreKey's.
 var ErrCommit = errors.New("commit")
 
-// CompleteKeyCommit runs CompleteKey and COMMIT in one pipelined round trip.
-// If CompleteKey fails the server skips the COMMIT (the pipeline stops at
+// StoreKeyCommit runs StoreKey and COMMIT in one pipelined round trip.
+// If StoreKey fails (including when it finds the key completed elsewhere: a
+// serialization failure, 40001) the server skips the COMMIT (the pipeline stops at
 // the first error) and the transaction is left aborted, to be rolled back;
 // a COMMIT failure is returned wrapping ErrCommit. Either way the caller must
 // end tx as usual: after a successful call the connection is no longer in a
 // transaction (pgconn.PgConn.TxStatus is 'I') although tx does not know it,
 // and a rollback is then not to be sent (see the caller's endTx). A tx begun
 // with a custom CommitQuery is committed with tx.Commit instead.
-func CompleteKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.CompleteKeyParams) error {
+func StoreKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.StoreKeyParams) error {
 	if commitQuery != "" {
-		if _, err := db.New(tx).CompleteKey(ctx, arg); err != nil {
+		if err := db.New(tx).StoreKey(ctx, arg); err != nil {
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {
@@ -124,7 +116,7 @@ func CompleteKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg d
 		return nil
 	}
 	b := &pgx.Batch{}
-	b.Queue(db.CompleteKey, arg.StatusCode, arg.Headers, arg.Body, arg.Scope, arg.Principal, arg.Key)
+	b.Queue(db.StoreKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.StatusCode, arg.Headers, arg.Body, arg.TtlSeconds)
 	b.Queue("commit") // as pgx's own Commit sends it (and beginSQL renders begin)
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
