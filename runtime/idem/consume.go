@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -62,7 +64,8 @@ type EventSpec[T any] struct {
 	Context string
 	// EventID returns the event's id from the decoded payload. Nil reads the
 	// EventIDHeader record header instead. A panic in it (a nil pointer id
-	// field) makes the record a dead letter, like an empty id.
+	// field) makes the record a dead letter at once, like an empty id or
+	// one holding a NUL byte.
 	EventID func(T) string
 	// Decode decodes a record value. Nil decodes JSON.
 	Decode func([]byte) (T, error)
@@ -104,6 +107,14 @@ func Consume[T any](spec EventSpec[T], fn func(context.Context, pgx.Tx, T) error
 			}
 			if id == "" {
 				return nil, "", fmt.Errorf("record has no event id (no %s header, or an empty id field)", EventIDHeader)
+			}
+			if i := strings.IndexByte(id, 0); i >= 0 {
+				// PostgreSQL text never holds a NUL, whatever the pool's
+				// exec mode; refused here, before any SQL, because with
+				// QueryExecModeSimpleProtocol the id is inlined in the
+				// query string, where a NUL breaks the protocol message
+				// (08P01, an outage) instead of failing the insert (22021).
+				return nil, "", fmt.Errorf("event id holds a NUL byte (byte %d of %d), which PostgreSQL text cannot store", i, len(id))
 			}
 			return ev, id, nil
 		},
@@ -224,7 +235,8 @@ type ProcessorConfig struct {
 	StorageTimeout time.Duration
 	// IdleInTransactionTimeout is PostgreSQL's
 	// idle_in_transaction_session_timeout for the processor's transactions
-	// (0: DefaultIdleInTransactionTimeout; negative: leave the session's).
+	// (0: DefaultIdleInTransactionTimeout; negative: leave the session's; at
+	// most PostgreSQL's maximum, 2147483647ms, about 24.8 days).
 	// A consumer frozen mid-record (SIGSTOP, a paused VM) keeps its
 	// connection open and its processed-event row locked; after this the
 	// server ends its session, so the member that took its partitions over
@@ -239,6 +251,10 @@ type ProcessorConfig struct {
 	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
 }
+
+// maxIdleInTransactionTimeout is the largest
+// idle_in_transaction_session_timeout PostgreSQL accepts (INT_MAX ms).
+const maxIdleInTransactionTimeout = math.MaxInt32 * time.Millisecond
 
 // Processor applies records to event handlers: per record, in one
 // transaction, the processed-event row and the handler's writes. It is
@@ -269,6 +285,13 @@ func NewProcessor(store *Store, cfg ProcessorConfig) (*Processor, error) {
 	}
 	if cfg.StorageTimeout < 0 {
 		return nil, fmt.Errorf("idem: NewProcessor: StorageTimeout %v is negative", cfg.StorageTimeout)
+	}
+	if cfg.IdleInTransactionTimeout > maxIdleInTransactionTimeout {
+		// PostgreSQL refuses the setting with 22023, a data exception that
+		// reads as the record's failure: every record, valid or not, was
+		// dead-lettered.
+		return nil, fmt.Errorf("idem: NewProcessor: IdleInTransactionTimeout %v is over PostgreSQL's maximum %v",
+			cfg.IdleInTransactionTimeout, maxIdleInTransactionTimeout)
 	}
 	cfg.Retry = cfg.Retry.withDefaults()
 	cfg.Outage = cfg.Outage.withDefaults()
@@ -417,6 +440,9 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	if n == 1 {
 		if err := safeCall(eventContext(ctx, h, id), h, tx, ev); err != nil {
 			return 0, handlerFailure(tx, err)
+		}
+		if err := handlerLeftTx(tx); err != nil {
+			return 0, err
 		}
 		outcome = Applied
 		crash.Point(ctx, "consume.after-call")
@@ -585,6 +611,11 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			if p.isOutage(err) || ctx.Err() != nil {
 				return nil, err
 			}
+			return nil, &batchRecordFailure{index: i, err: err}
+		}
+		if err := handlerLeftTx(tx); err != nil {
+			// Charged to this record, before the next one's handler runs
+			// on a busy connection or outside the transaction.
 			return nil, &batchRecordFailure{index: i, err: err}
 		}
 		outcomes[i] = Applied

@@ -164,14 +164,15 @@ func TestPanicsAreDeadLettered(t *testing.T) {
 	}
 }
 
-// An event id PostgreSQL cannot store (a NUL byte: 22021 from the dedupe
-// insert) is the record's failure, not an outage to wait out forever.
+// An event id PostgreSQL cannot store (too long for the index: 54000 from
+// the dedupe insert) is the record's failure, not an outage to wait out
+// forever. (A NUL byte is refused before any SQL: TestNULEventIDRefusedBeforeSQL.)
 func TestUnstorableEventIDDeadLettered(t *testing.T) {
 	t.Parallel()
 	_, store := consumeDB(t)
 	p := processor(t, store, 2)
 	h := handler(insertEffect)
-	rec := &idem.Record{Topic: "events", Value: []byte(`{"id":"a\u0000b","amount":1}`)}
+	rec := &idem.Record{Topic: "events", Value: []byte(`{"id":"` + unindexableID() + `","amount":1}`)}
 	if o := processBounded(t, p, &h, rec); o != idem.DeadLettered {
 		t.Fatalf("outcome %v", o)
 	}
@@ -179,7 +180,7 @@ func TestUnstorableEventIDDeadLettered(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(dl.LastError, "22021") || dl.Attempts != 2 {
+	if !strings.Contains(dl.LastError, "54000") || dl.Attempts != 2 {
 		t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 	}
 }

@@ -62,10 +62,61 @@ func handlerFailure(tx pgx.Tx, err error) error {
 	// A dead connection means the database went away under the handler
 	// (pgconn closes the connection on any network failure); whatever the
 	// handler made of that error, the record is not at fault.
-	if tx.Conn().IsClosed() || isOutageError(err) {
+	if tx.Conn().IsClosed() {
+		return &outageError{err: err}
+	}
+	if connLeftBusy(tx) {
+		// Checked before isOutageError: the handler's own next statement
+		// fails with "conn busy", which pgconn calls safe to retry.
+		return fmt.Errorf("%w: %w", errConnLeftBusy, err)
+	}
+	if isOutageError(err) {
 		return &outageError{err: err}
 	}
 	return err
+}
+
+// errConnLeftBusy is a handler returning with its transaction's connection
+// still busy: every statement after that, COMMIT included, fails with
+// pgconn's "conn busy" (safe to retry, nothing was sent), so it looked like
+// an outage and was waited out forever. It is the handler's doing and
+// recurs on every attempt: the record's failure.
+var errConnLeftBusy = errors.New("the handler left its transaction's connection busy (a Rows not closed, a QueryRow not scanned)")
+
+// connLeftBusy reports whether tx's connection is open and still reading a
+// result the handler started and did not finish.
+func connLeftBusy(tx pgx.Tx) bool {
+	c := tx.Conn()
+	return !c.IsClosed() && c.PgConn().IsBusy()
+}
+
+// errTxEndedByHandler is a handler returning nil after ending its
+// transaction itself: tx.Commit or tx.Rollback, or a COMMIT, ROLLBACK,
+// ABORT or END statement. After a ROLLBACK statement nothing was left to
+// commit — not the effect, not the processed-event row — yet the COMMIT
+// that followed "succeeded" (PostgreSQL only warns that no transaction is
+// in progress), so the record was reported applied and its offset marked:
+// lost. Statements run after it (the next records of a batch) were
+// autocommitted without their processed-event rows, applied again on
+// redelivery. It is the record's failure, whichever way the transaction
+// ended (a COMMIT statement made it durable: the retry is a duplicate).
+var errTxEndedByHandler = errors.New("the handler ended its transaction itself (Commit, Rollback, or a COMMIT/ROLLBACK statement)")
+
+// handlerLeftTx checks the transaction a handler returned nil on, before
+// anything else runs on it: left busy, or ended by the handler, it is the
+// record's failure. A closed connection is left to COMMIT to report (an
+// outage).
+func handlerLeftTx(tx pgx.Tx) error {
+	c := tx.Conn()
+	switch {
+	case c.IsClosed():
+		return nil
+	case c.PgConn().IsBusy():
+		return errConnLeftBusy
+	case c.PgConn().TxStatus() == 'I':
+		return errTxEndedByHandler
+	}
+	return nil
 }
 
 // isOutage reports whether err, from one attempt, is an infrastructure
