@@ -517,6 +517,8 @@ func TestNewHTTPValidates(t *testing.T) {
 		"none and a list":     {NoReplayHeaders: true, ReplayHeaders: []string{"Location"}},
 		"negative conn check": {ConnCheckInterval: -time.Second},
 		"read-only tx":        {TxOptions: pgx.TxOptions{AccessMode: pgx.ReadOnly}},
+		"idle over max":       {IdleInTransactionTimeout: 30 * 24 * time.Hour},
+		"conn check over max": {ConnCheckInterval: 30 * 24 * time.Hour},
 	} {
 		if _, err := idem.NewHTTP(store, cfg); err == nil {
 			t.Errorf("%s: accepted", name)

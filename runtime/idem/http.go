@@ -247,6 +247,8 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 	case cfg.NoConnCheck:
 	case cfg.ConnCheckInterval < 0:
 		return nil, fmt.Errorf("idem.NewHTTP: negative ConnCheckInterval %v (set NoConnCheck to leave it off)", cfg.ConnCheckInterval)
+	case cfg.ConnCheckInterval > maxIdleInTransactionTimeout:
+		return nil, fmt.Errorf("idem.NewHTTP: ConnCheckInterval %v is over PostgreSQL's maximum, %v", cfg.ConnCheckInterval, maxIdleInTransactionTimeout)
 	case cfg.ConnCheckInterval == 0:
 		h.connCheckMS.Store(DefaultConnCheckInterval.Milliseconds())
 	default:
@@ -256,6 +258,10 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 	case cfg.NoIdleInTransactionTimeout:
 	case cfg.IdleInTransactionTimeout < 0:
 		return nil, fmt.Errorf("idem.NewHTTP: negative IdleInTransactionTimeout %v (set NoIdleInTransactionTimeout to leave it off)", cfg.IdleInTransactionTimeout)
+	case cfg.IdleInTransactionTimeout > maxIdleInTransactionTimeout:
+		// PostgreSQL would refuse the setting with every BEGIN: every
+		// request a 503, forever.
+		return nil, fmt.Errorf("idem.NewHTTP: IdleInTransactionTimeout %v is over PostgreSQL's maximum, %v", cfg.IdleInTransactionTimeout, maxIdleInTransactionTimeout)
 	case cfg.IdleInTransactionTimeout == 0:
 		h.idle = DefaultIdleInTransactionTimeout
 	default:
