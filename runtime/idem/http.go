@@ -875,6 +875,11 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			return nil, errRetryClaim
 		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
+		case c == "22P02" && strings.Contains(err.Error(), notClaimingTx):
+			// The function ended the claiming transaction and began
+			// another (COMMIT AND CHAIN, ROLLBACK AND CHAIN): TxStatus
+			// cannot tell, StoreKey can (see its comment).
+			return nil, errFunctionEndedTx
 		case strings.HasPrefix(c, "22") || c == "54000":
 			// PostgreSQL refused a header the function set: its bug (500),
 			// not a storage failure to retry forever.
@@ -916,6 +921,10 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	}
 	return err
 }
+
+// notClaimingTx is in the message of StoreKey's failure when it runs in
+// another transaction than the one that claimed the key.
+const notClaimingTx = "idem: not the transaction that claimed the key"
 
 // sessionEnded reports an error with which the server ended the session
 // (severity FATAL or PANIC), as opposed to one that ended a statement or a
