@@ -3,10 +3,14 @@ package idem_test
 import (
 	"context"
 	"net/http"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
@@ -54,5 +58,128 @@ func TestFunctionChainingATransactionStoresNothing(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// A failover or a restart ends every pooled session at once, not just one:
+// the retry of the claim batch must not land on another dead idle
+// connection and answer 503 (pgxpool pings only connections idle for over
+// a second).
+func TestClaimRetriedPastEveryDeadIdleConnection(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 4 })
+	ctx := context.Background()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
+	e := &env{t: t, pool: pool}
+	h := e.handler(idem.Endpoint{})
+	killer, err := pgx.Connect(ctx, pool.Config().ConnConfig.ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer killer.Close(ctx)
+	for i, key := range []string{"k-all-dead-1", "k-all-dead-2"} {
+		// Four idle connections in the pool, their sessions all ended.
+		var conns []*pgxpool.Conn
+		var pids []int32
+		for range 4 {
+			c, err := pool.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var pid int32
+			if err := c.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				t.Fatal(err)
+			}
+			conns = append(conns, c)
+			pids = append(pids, pid)
+		}
+		for _, c := range conns {
+			c.Release()
+		}
+		for _, pid := range pids {
+			if _, err := killer.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if r := do(h, key, body1); r.status != http.StatusCreated {
+			t.Fatalf("request %d after every pooled connection died: %d %s, want 201", i, r.status, r.body)
+		}
+	}
+	if e.calls.Load() != 2 || e.effects() != 2 || e.keys() != 2 {
+		t.Fatalf("%d calls, %d effects, %d keys, want 2 each", e.calls.Load(), e.effects(), e.keys())
+	}
+}
+
+// Every pooled connection cut (a failover) and the database then
+// unreachable: the retries past the dead connections end with a 503 when
+// the wait runs out, within the wait and its answer slack, not later; the
+// same for a request without a key, which begins the same way.
+func TestCutThenPartitionIs503WithinWait(t *testing.T) {
+	t.Parallel()
+	base := pgtest.Schema(t)
+	proxy := faultproxy.New(t, faultproxy.PostgresTarget(base))
+	cfg, err := pgxpool.ParseConfig(proxy.RewriteURL(base))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	ctx := context.Background()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) {
+		calls.Add(1)
+		_, err := tx.Exec(ctx, "SELECT 1")
+		return receipt{Order: r.Order}, err
+	}
+	const wait = 300 * time.Millisecond
+	mux := http.NewServeMux()
+	mux.Handle("/keyed", idem.Handle(engine, idem.Endpoint{Scope: "keyed", Wait: wait}, fn))
+	mux.Handle("/optional", idem.Handle(engine, idem.Endpoint{Scope: "optional", Wait: wait, KeyOptional: true}, fn))
+	url := serveReal(t, mux)
+	for _, c := range []struct{ path, key string }{{"/keyed", "k-cut"}, {"/optional", ""}} {
+		var conns []*pgxpool.Conn
+		for range 4 {
+			conn, err := pool.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			conns = append(conns, conn)
+		}
+		for _, conn := range conns {
+			conn.Release()
+		}
+		proxy.Cut()
+		proxy.Blackhole()
+		start := time.Now()
+		st, h, b := callWithin(t, 10*time.Second, "POST", url+c.path, c.key, body1)
+		took := time.Since(start)
+		proxy.Restore()
+		t.Logf("%s: %d after %v", c.path, st, took)
+		// Not a speed assertion: a retry that began a second wait (or a
+		// second answer slack) would take twice wait + 1s.
+		if limit := wait + time.Second + time.Second; took > limit {
+			t.Errorf("%s: answered after %v, over wait + answer slack + 1s = %v", c.path, took, limit)
+		}
+		if st != http.StatusServiceUnavailable || h.Get("Retry-After") == "" {
+			t.Fatalf("%s after a cut and during a partition: status %d (-1: no answer within 10s, wait is %v), Retry-After %q: %s",
+				c.path, st, wait, h.Get("Retry-After"), b)
+		}
+	}
+	if n := calls.Load(); n != 0 {
+		t.Fatalf("the function ran %d times, want 0", n)
 	}
 }

@@ -672,7 +672,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 	if claim != nil {
 		doing = "begin and claim key"
 	}
-	retried := false
+	retries := 0
 	for {
 		actx, cancel := context.WithDeadline(ctx, deadline)
 		conn, err := h.store.pool.Acquire(actx)
@@ -703,14 +703,19 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 		}
 		dead := conn.Conn().IsClosed()
 		conn.Release()
-		if dead && !retried && ctx.Err() == nil && !errors.Is(err, errBusy) && time.Now().Before(deadline) {
+		if dead && ctx.Err() == nil && !errors.Is(err, errBusy) && time.Now().Before(deadline) &&
+			retries < int(h.store.pool.Config().MaxConns) {
 			// The connection broke under the batch: most often a pooled
 			// one whose session had already ended (a failover, a
 			// terminated backend) while it sat idle for less than the
 			// pool's ping threshold. Nothing this batch did can have
-			// committed (it holds no COMMIT), so one more try on another
-			// connection is safe.
-			retried = true
+			// committed (it holds no COMMIT), so another try on another
+			// connection is safe. A failover ends every pooled session at
+			// once, and the next idle connection may be dead too: each
+			// dead one leaves the pool as it is released, so after at
+			// most MaxConns tries the pool dials a new one. The deadline
+			// bounds the whole.
+			retries++
 			continue
 		}
 		if check > 0 && connCheckRefused(err) && h.connCheckMS.CompareAndSwap(check, 0) {
