@@ -183,3 +183,19 @@ func TestCutThenPartitionIs503WithinWait(t *testing.T) {
 		t.Fatalf("the function ran %d times, want 0", n)
 	}
 }
+
+// A Wait over PostgreSQL's largest lock_timeout (INT_MAX ms, about 24.8
+// days) would be refused by the server with every claim, the claim's
+// lock_timeout being the time left of the wait: every keyed request a 503,
+// forever. Handle refuses it, as NewHTTP refuses such an
+// IdleInTransactionTimeout.
+func TestWaitOverLockTimeoutMaxRefused(t *testing.T) {
+	e := newEnv(t)
+	defer func() {
+		if recover() == nil {
+			r := do(e.handler(idem.Endpoint{Wait: 30 * 24 * time.Hour}), "k-long-wait", body1)
+			t.Errorf("Handle accepted a Wait of 30 days; a request then answers %d %s", r.status, r.body)
+		}
+	}()
+	e.handler(idem.Endpoint{Wait: 30 * 24 * time.Hour})
+}

@@ -89,7 +89,8 @@ type Endpoint struct {
 	// database connection, for a lock, and for a request in flight with the
 	// same key. A duplicate whose first request finishes in time replays its
 	// response; one still in flight after Wait is a 409 with Retry-After; a
-	// connection or lock not had in time is a 503 with Retry-After.
+	// connection or lock not had in time is a 503 with Retry-After. At most
+	// PostgreSQL's largest lock_timeout (2^31-1 ms, about 24.8 days).
 	Wait time.Duration
 	// NoWait answers 409 at once when the same key is in flight, instead of
 	// waiting for it. Connection and lock waits are still bounded by Wait.
@@ -118,6 +119,10 @@ func (ep Endpoint) normalize() (Endpoint, error) {
 		ep.Wait = DefaultWait
 	case ep.Wait < 0:
 		return ep, fmt.Errorf("negative Wait %v (set NoWait to answer 409 at once)", ep.Wait)
+	case ep.Wait > maxIdleInTransactionTimeout:
+		// The claim's lock_timeout is the time left of the wait: PostgreSQL
+		// would refuse it with every claim (every keyed request a 503).
+		return ep, fmt.Errorf("a Wait of %v is over PostgreSQL's maximum lock_timeout, %v", ep.Wait, maxIdleInTransactionTimeout)
 	}
 	return ep, nil
 }
