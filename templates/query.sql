@@ -110,7 +110,14 @@ ON CONFLICT (scope, principal, key) DO NOTHING;
 -- whole TTL. The headers are sent as text: a
 -- []byte parameter would be sent as a bytea literal by a pool that does not
 -- describe statements (QueryExecModeExec, QueryExecModeSimpleProtocol),
--- which jsonb refuses.
+-- which jsonb refuses. The first WHEN checks that this is still the
+-- transaction that claimed the key: the claim's settings set
+-- idem.saved_lock_timeout for the transaction (SetTxSettings or
+-- SetLockTimeout), and a function that ended it and chained another one
+-- (COMMIT AND CHAIN, ROLLBACK AND CHAIN, ROLLBACK; BEGIN) has released the
+-- key's lock and left its work committed or rolled back elsewhere: the
+-- statement fails (22P02, with a message the runtime recognises) before
+-- the INSERT runs, so nothing is stored and the COMMIT is skipped.
 WITH stored AS (
     INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
     VALUES (@scope, @principal, @key, @fingerprint, @status_code, CAST(sqlc.arg(headers)::text AS jsonb), @body,
@@ -121,7 +128,9 @@ WITH stored AS (
     WHERE idem_keys.expires_at <= now()
     RETURNING 1
 )
-SELECT CASE WHEN EXISTS (SELECT 1 FROM stored) THEN true
+SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
+            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
+            WHEN EXISTS (SELECT 1 FROM stored) THEN true
             ELSE idem_key_completed_elsewhere(@scope, @principal, @key) END::boolean;
 
 -- name: DeleteExpiredKeys :execrows

@@ -89,7 +89,8 @@ type Endpoint struct {
 	// database connection, for a lock, and for a request in flight with the
 	// same key. A duplicate whose first request finishes in time replays its
 	// response; one still in flight after Wait is a 409 with Retry-After; a
-	// connection or lock not had in time is a 503 with Retry-After.
+	// connection or lock not had in time is a 503 with Retry-After. At most
+	// PostgreSQL's largest lock_timeout (2^31-1 ms, about 24.8 days).
 	Wait time.Duration
 	// NoWait answers 409 at once when the same key is in flight, instead of
 	// waiting for it. Connection and lock waits are still bounded by Wait.
@@ -118,6 +119,10 @@ func (ep Endpoint) normalize() (Endpoint, error) {
 		ep.Wait = DefaultWait
 	case ep.Wait < 0:
 		return ep, fmt.Errorf("negative Wait %v (set NoWait to answer 409 at once)", ep.Wait)
+	case ep.Wait > maxIdleInTransactionTimeout:
+		// The claim's lock_timeout is the time left of the wait: PostgreSQL
+		// would refuse it with every claim (every keyed request a 503).
+		return ep, fmt.Errorf("a Wait of %v is over PostgreSQL's maximum lock_timeout, %v", ep.Wait, maxIdleInTransactionTimeout)
 	}
 	return ep, nil
 }
@@ -672,7 +677,7 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 	if claim != nil {
 		doing = "begin and claim key"
 	}
-	retried := false
+	retries := 0
 	for {
 		actx, cancel := context.WithDeadline(ctx, deadline)
 		conn, err := h.store.pool.Acquire(actx)
@@ -703,14 +708,19 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 		}
 		dead := conn.Conn().IsClosed()
 		conn.Release()
-		if dead && !retried && ctx.Err() == nil && !errors.Is(err, errBusy) && time.Now().Before(deadline) {
+		if dead && ctx.Err() == nil && !errors.Is(err, errBusy) && time.Now().Before(deadline) &&
+			retries < int(h.store.pool.Config().MaxConns) {
 			// The connection broke under the batch: most often a pooled
 			// one whose session had already ended (a failover, a
 			// terminated backend) while it sat idle for less than the
 			// pool's ping threshold. Nothing this batch did can have
-			// committed (it holds no COMMIT), so one more try on another
-			// connection is safe.
-			retried = true
+			// committed (it holds no COMMIT), so another try on another
+			// connection is safe. A failover ends every pooled session at
+			// once, and the next idle connection may be dead too: each
+			// dead one leaves the pool as it is released, so after at
+			// most MaxConns tries the pool dials a new one. The deadline
+			// bounds the whole.
+			retries++
 			continue
 		}
 		if check > 0 && connCheckRefused(err) && h.connCheckMS.CompareAndSwap(check, 0) {
@@ -875,6 +885,11 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			return nil, errRetryClaim
 		case errors.Is(err, dbx.ErrCommit):
 			return nil, storageErr(ctx, "commit", err)
+		case c == "22P02" && strings.Contains(err.Error(), notClaimingTx):
+			// The function ended the claiming transaction and began
+			// another (COMMIT AND CHAIN, ROLLBACK AND CHAIN): TxStatus
+			// cannot tell, StoreKey can (see its comment).
+			return nil, errFunctionEndedTx
 		case strings.HasPrefix(c, "22") || c == "54000":
 			// PostgreSQL refused a header the function set: its bug (500),
 			// not a storage failure to retry forever.
@@ -916,6 +931,10 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	}
 	return err
 }
+
+// notClaimingTx is in the message of StoreKey's failure when it runs in
+// another transaction than the one that claimed the key.
+const notClaimingTx = "idem: not the transaction that claimed the key"
 
 // sessionEnded reports an error with which the server ended the session
 // (severity FATAL or PANIC), as opposed to one that ended a statement or a

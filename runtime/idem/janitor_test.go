@@ -210,6 +210,11 @@ func TestJanitorSkipsKeyInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
+	// The claim's settings first: StoreKey checks it runs in the
+	// transaction that claimed the key.
+	if err := db.New(tx).SetLockTimeout(ctx, "5s"); err != nil {
+		t.Fatal(err)
+	}
 	if err := db.New(tx).StoreKey(ctx, db.StoreKeyParams{Scope: "s", Principal: "p", Key: "old-1", Fingerprint: []byte{1},
 		StatusCode: 201, Headers: `{}`, Body: []byte(`{}`), TtlSeconds: 60}); err != nil {
 		t.Fatalf("take over expired key: %v", err)

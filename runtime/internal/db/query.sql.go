@@ -1439,7 +1439,9 @@ WITH stored AS (
     WHERE idem_keys.expires_at <= now()
     RETURNING 1
 )
-SELECT CASE WHEN EXISTS (SELECT 1 FROM stored) THEN true
+SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
+            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
+            WHEN EXISTS (SELECT 1 FROM stored) THEN true
             ELSE idem_key_completed_elsewhere($1, $2, $3) END::boolean
 `
 
@@ -1467,7 +1469,14 @@ type StoreKeyParams struct {
 // whole TTL. The headers are sent as text: a
 // []byte parameter would be sent as a bytea literal by a pool that does not
 // describe statements (QueryExecModeExec, QueryExecModeSimpleProtocol),
-// which jsonb refuses.
+// which jsonb refuses. The first WHEN checks that this is still the
+// transaction that claimed the key: the claim's settings set
+// idem.saved_lock_timeout for the transaction (SetTxSettings or
+// SetLockTimeout), and a function that ended it and chained another one
+// (COMMIT AND CHAIN, ROLLBACK AND CHAIN, ROLLBACK; BEGIN) has released the
+// key's lock and left its work committed or rolled back elsewhere: the
+// statement fails (22P02, with a message the runtime recognises) before
+// the INSERT runs, so nothing is stored and the COMMIT is skipped.
 func (q *Queries) StoreKey(ctx context.Context, arg StoreKeyParams) error {
 	_, err := q.db.Exec(ctx, StoreKey,
 		arg.Scope,
