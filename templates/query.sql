@@ -116,8 +116,8 @@ ON CONFLICT (scope, principal, key) DO NOTHING;
 -- SetLockTimeout), and a function that ended it and chained another one
 -- (COMMIT AND CHAIN, ROLLBACK AND CHAIN, ROLLBACK; BEGIN) has released the
 -- key's lock and left its work committed or rolled back elsewhere: the
--- statement fails (22P02, with a message the runtime recognises) before
--- the INSERT runs, so nothing is stored and the COMMIT is skipped.
+-- statement fails (22P02, with a message the runtime recognises), which
+-- undoes its INSERT too: nothing is stored and the COMMIT is skipped.
 WITH stored AS (
     INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
     VALUES (@scope, @principal, @key, @fingerprint, @status_code, CAST(sqlc.arg(headers)::text AS jsonb), @body,

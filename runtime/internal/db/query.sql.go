@@ -1475,8 +1475,8 @@ type StoreKeyParams struct {
 // SetLockTimeout), and a function that ended it and chained another one
 // (COMMIT AND CHAIN, ROLLBACK AND CHAIN, ROLLBACK; BEGIN) has released the
 // key's lock and left its work committed or rolled back elsewhere: the
-// statement fails (22P02, with a message the runtime recognises) before
-// the INSERT runs, so nothing is stored and the COMMIT is skipped.
+// statement fails (22P02, with a message the runtime recognises), which
+// undoes its INSERT too: nothing is stored and the COMMIT is skipped.
 func (q *Queries) StoreKey(ctx context.Context, arg StoreKeyParams) error {
 	_, err := q.db.Exec(ctx, StoreKey,
 		arg.Scope,
