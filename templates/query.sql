@@ -133,6 +133,20 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
             WHEN EXISTS (SELECT 1 FROM stored) THEN true
             ELSE idem_key_completed_elsewhere(@scope, @principal, @key) END::boolean;
 
+-- name: CheckOwnTransaction :exec
+-- Fails unless this is the transaction the runtime began: every runtime
+-- BEGIN sets idem.saved_lock_timeout for its transaction (SetTxSettings or
+-- SetLockTimeout), and a handler that ended it and chained another one
+-- (COMMIT AND CHAIN, ROLLBACK AND CHAIN, ROLLBACK; BEGIN) is in a
+-- transaction without it: its effect and the processed-event row were
+-- committed or rolled back already, apart. Sent in the COMMIT's round trip,
+-- before it, so that the failure (22P02, the message below; the text is
+-- built from the setting so that it is not folded into a constant and
+-- evaluated when the plan is made) skips the COMMIT.
+SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
+            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction the runtime began' AS boolean)
+            ELSE true END::boolean;
+
 -- name: DeleteExpiredKeys :execrows
 -- One bounded batch: PostgreSQL's DELETE has no LIMIT, so the victims are
 -- chosen in a sub-select. SKIP LOCKED keeps retention from waiting on (or

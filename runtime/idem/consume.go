@@ -425,7 +425,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	})
 	cancel()
 	tx := r.Tx
-	defer rollback(ctx, tx)
+	defer endTx(ctx, tx) // after CheckedCommit this sends nothing
 	if replayID != 0 && r.Marked == 0 {
 		// Replayed already (earlier, or by a concurrent replay whose row
 		// lock the mark waited for): the insert pipelined after the mark is
@@ -468,11 +468,15 @@ func pipelineError(err error) error {
 	return &storageError{op: "begin", err: err}
 }
 
+// notRuntimeTx is in the message of CheckOwnTransaction's failure.
+const notRuntimeTx = "idem: not the transaction the runtime began"
+
 // commitGrace is how long a COMMIT already sent may still take after the
 // context is cancelled.
 const commitGrace = time.Second
 
-// commit commits tx. Once the decision to commit is taken, a cancellation
+// commit commits tx, after checking in the same round trip that tx is
+// still the transaction the processor began (dbx.CheckedCommit). Once the decision to commit is taken, a cancellation
 // (shutdown, a rebalance waiting) does not interrupt it at once: cancelling
 // a COMMIT in flight leaves its outcome unknown to us (it may have committed
 // on the server), which costs a redelivery and reports an applied record as a
@@ -485,7 +489,13 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 	defer cancel()
 	stop := context.AfterFunc(ctx, func() { time.AfterFunc(commitGrace, cancel) })
 	defer stop()
-	if err := tx.Commit(cctx); err != nil {
+	if err := dbx.CheckedCommit(cctx, tx); err != nil {
+		if pgCode(err) == "22P02" && strings.Contains(err.Error(), notRuntimeTx) {
+			// The handler ended the processor's transaction and began
+			// another (ROLLBACK AND CHAIN, ...): TxStatus cannot tell,
+			// CheckOwnTransaction can. The record's failure.
+			return fmt.Errorf("%w, and began another: %w", errTxEndedByHandler, err)
+		}
 		if commitRefusedByWrites(err) {
 			// The database answered: it is the handler's writes (or what the
 			// handler did to its transaction) it refused, the record's
@@ -589,7 +599,7 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 		Context: h.Context, EventIds: ids, Topic: recs[0].Topic, Kpartition: recs[0].Partition, Koffsets: offsets,
 	})
 	cancel()
-	defer rollback(ctx, tx)
+	defer endTx(ctx, tx) // after CheckedCommit this sends nothing
 	if err != nil {
 		return nil, pipelineError(err)
 	}

@@ -279,6 +279,17 @@ func TestHandlerEndingItsTransactionIsRecordFailure(t *testing.T) {
 		"ROLLBACK statement": func(ctx context.Context, tx pgx.Tx) error { _, err := tx.Exec(ctx, `ROLLBACK`); return err },
 		"ABORT statement":    func(ctx context.Context, tx pgx.Tx) error { _, err := tx.Exec(ctx, `ABORT`); return err },
 		"tx.Rollback":        func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
+		// A new transaction afterwards: the connection is in a transaction
+		// again, so only CheckOwnTransaction, sent with the COMMIT, can
+		// tell (final review; reported applied, the event lost, before).
+		"ROLLBACK AND CHAIN": func(ctx context.Context, tx pgx.Tx) error { _, err := tx.Exec(ctx, `ROLLBACK AND CHAIN`); return err },
+		"ROLLBACK then BEGIN": func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `ROLLBACK`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `BEGIN`)
+			return err
+		},
 	}
 	for name, end := range cases {
 		for _, batch := range []bool{false, true} {

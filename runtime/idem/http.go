@@ -769,7 +769,7 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 // response, which tx does not know): a ROLLBACK then would be a round trip
 // for nothing.
 func endTx(ctx context.Context, tx pgx.Tx) {
-	if tx.Conn().PgConn().TxStatus() == 'I' {
+	if c := tx.Conn(); c != nil && c.PgConn().TxStatus() == 'I' {
 		return
 	}
 	rollback(ctx, tx)

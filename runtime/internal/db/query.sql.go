@@ -101,6 +101,26 @@ func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (Admin
 	return i, err
 }
 
+const CheckOwnTransaction = `-- name: CheckOwnTransaction :exec
+SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
+            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction the runtime began' AS boolean)
+            ELSE true END::boolean
+`
+
+// Fails unless this is the transaction the runtime began: every runtime
+// BEGIN sets idem.saved_lock_timeout for its transaction (SetTxSettings or
+// SetLockTimeout), and a handler that ended it and chained another one
+// (COMMIT AND CHAIN, ROLLBACK AND CHAIN, ROLLBACK; BEGIN) is in a
+// transaction without it: its effect and the processed-event row were
+// committed or rolled back already, apart. Sent in the COMMIT's round trip,
+// before it, so that the failure (22P02, the message below; the text is
+// built from the setting so that it is not folded into a constant and
+// evaluated when the plan is made) skips the COMMIT.
+func (q *Queries) CheckOwnTransaction(ctx context.Context) error {
+	_, err := q.db.Exec(ctx, CheckOwnTransaction)
+	return err
+}
+
 const ClaimKey = `-- name: ClaimKey :one
 SELECT CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
                          WHERE k.scope = $1 AND k.principal = $2 AND k.key = $3 AND k.expires_at > now())

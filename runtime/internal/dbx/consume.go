@@ -2,7 +2,6 @@ package dbx
 
 import (
 	"context"
-	"strconv"
 	"strings"
 	"time"
 
@@ -115,11 +114,11 @@ type step struct {
 func beginPipelined(ctx context.Context, conn *pgx.Conn, idle time.Duration, steps []step) (pgx.Tx, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	begin := []step{{op: "begin", read: execOnly}}
-	if idle > 0 {
-		ms := strconv.FormatInt(max(idle.Milliseconds(), 1), 10) + "ms" // 0 would mean "no timeout"
-		begin = append(begin, step{op: "begin", sql: db.SetIdleInTransactionTimeout, args: []any{ms}, read: execOnly})
-	}
+	// SetTxSettings also marks the transaction as the runtime's own
+	// (CheckedCommit checks the mark), so it is sent even without a
+	// timeout to set.
+	begin := []step{{op: "begin", read: execOnly},
+		{op: "begin", sql: db.SetTxSettings, args: []any{"", "", ms(idle)}, read: execOnly}}
 	all := append(begin, steps...)
 	for _, s := range all[1:] {
 		b.Queue(s.sql, s.args...)
@@ -145,4 +144,33 @@ func beginPipelined(ctx context.Context, conn *pgx.Conn, idle time.Duration, ste
 func execOnly(br pgx.BatchResults) error {
 	_, err := br.Exec()
 	return err
+}
+
+// CheckedCommit commits tx, begun by BeginRecordEvent or
+// BeginRecordEvents, in one round trip with CheckOwnTransaction before the
+// COMMIT: a handler that ended the transaction and chained another one (its
+// work and the processed-event rows already committed or rolled back,
+// apart) fails the check, and the COMMIT is skipped. Errors are as
+// tx.Commit's; after a successful call the connection is out of the
+// transaction although tx does not know it (see StoreKeyCommit).
+func CheckedCommit(ctx context.Context, tx pgx.Tx) error {
+	b := &pgx.Batch{}
+	b.Queue(db.CheckOwnTransaction)
+	b.Queue("commit")
+	br := tx.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return err
+	}
+	ct, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
+		return err
+	case ct.String() == "ROLLBACK":
+		return pgx.ErrTxCommitRollback
+	}
+	return nil
 }
