@@ -92,8 +92,8 @@ func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, arg db.Claim
 	return locked && !(found && row.Live), found, row, nil
 }
 
-// ErrCommit wraps the COMMIT's own failure in StoreKeyCommit, so that the
-// caller can tell it from StoreKey's.
+// ErrCommit wraps the COMMIT's own failure in StoreKeyCommit and CheckedCommit,
+// so that the caller can tell it from the failure of the statement before it.
 var ErrCommit = errors.New("commit")
 
 // StoreKeyCommit runs StoreKey and COMMIT in one pipelined round trip.
@@ -115,8 +115,17 @@ func StoreKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.S
 		}
 		return nil
 	}
+	return commitAfter(ctx, tx, db.StoreKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.StatusCode, arg.Headers, arg.Body, arg.TtlSeconds)
+}
+
+// commitAfter runs sql and COMMIT in one pipelined round trip. A failure of
+// sql is returned as is, and the server skips the COMMIT (the pipeline
+// stops at the first error), leaving the transaction aborted; the COMMIT's
+// own failure, or the server rolling back instead (as pgx's Commit reports
+// it, pgx.ErrTxCommitRollback), is returned wrapping ErrCommit.
+func commitAfter(ctx context.Context, tx pgx.Tx, sql string, args ...any) error {
 	b := &pgx.Batch{}
-	b.Queue(db.StoreKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.StatusCode, arg.Headers, arg.Body, arg.TtlSeconds)
+	b.Queue(sql, args...)
 	b.Queue("commit") // as pgx's own Commit sends it (and beginSQL renders begin)
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
@@ -131,7 +140,6 @@ func StoreKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.S
 	case err != nil:
 		return fmt.Errorf("%w: %w", ErrCommit, err)
 	case ct.String() == "ROLLBACK":
-		// The server rolled back instead (as pgx's own Commit reports it).
 		return fmt.Errorf("%w: %w", ErrCommit, pgx.ErrTxCommitRollback)
 	}
 	return nil

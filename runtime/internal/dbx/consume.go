@@ -150,27 +150,9 @@ func execOnly(br pgx.BatchResults) error {
 // BeginRecordEvents, in one round trip with CheckOwnTransaction before the
 // COMMIT: a handler that ended the transaction and chained another one (its
 // work and the processed-event rows already committed or rolled back,
-// apart) fails the check, and the COMMIT is skipped. Errors are as
-// tx.Commit's; after a successful call the connection is out of the
+// apart) fails the check, and the COMMIT is skipped. The COMMIT's own
+// failure wraps ErrCommit (see commitAfter); after a successful call the connection is out of the
 // transaction although tx does not know it (see StoreKeyCommit).
 func CheckedCommit(ctx context.Context, tx pgx.Tx) error {
-	b := &pgx.Batch{}
-	b.Queue(db.CheckOwnTransaction)
-	b.Queue("commit")
-	br := tx.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
-		_ = br.Close()
-		return err
-	}
-	ct, err := br.Exec()
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	switch {
-	case err != nil:
-		return err
-	case ct.String() == "ROLLBACK":
-		return pgx.ErrTxCommitRollback
-	}
-	return nil
+	return commitAfter(ctx, tx, db.CheckOwnTransaction)
 }
