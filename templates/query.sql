@@ -182,16 +182,38 @@ SELECT set_config('lock_timeout', @lock_timeout::text, true);
 
 -- name: InsertProcessedEvent :execrows
 -- Records that context applied event_id. 0 rows: it already had (a
--- duplicate), and the handler must not run.
+-- duplicate), and the handler must not run. It also makes the consumer's
+-- transaction settings, which SetTxSettings sent as a statement of its own
+-- before (one statement less per record): the mark idem.saved_lock_timeout
+-- that CheckOwnTransaction checks, and idle_in_transaction_session_timeout
+-- unless @idle is empty (see SetIdleInTransactionTimeout). The row
+-- inserted is selected from the one-row settings CTE, so set_config has
+-- run before the row is inserted or found a duplicate: the settings are in
+-- effect for a duplicate too (a replayed dead letter commits one, checked)
+-- and for everything after this statement (the handler; the idle timeout
+-- only starts counting once the pipeline ends, as before). lock_timeout is
+-- not set here: the table lock this INSERT takes (at Bind, before
+-- set_config runs) waits with the session's lock_timeout, as it did after
+-- SetTxSettings, which set none for the consumer either.
+WITH settings AS MATERIALIZED (
+    SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
+           CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
+)
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
-VALUES (@context, @event_id, @topic, @kpartition, @koffset)
+SELECT @context, @event_id, @topic, @kpartition, @koffset FROM settings
 ON CONFLICT (context, event_id) DO NOTHING;
 
 -- name: InsertProcessedEvents :many
 -- The batch form: one statement for a whole batch of one partition. Returns
--- the ids that were new; the others are duplicates.
+-- the ids that were new; the others are duplicates. It makes the
+-- transaction settings as InsertProcessedEvent does: the rows are selected
+-- from the settings CTE.
+WITH settings AS MATERIALIZED (
+    SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
+           CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
+)
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
-SELECT @context, unnest(@event_ids::text[]), @topic, @kpartition, unnest(@koffsets::bigint[])
+SELECT @context, unnest(@event_ids::text[]), @topic, @kpartition, unnest(@koffsets::bigint[]) FROM settings
 ON CONFLICT (context, event_id) DO NOTHING
 RETURNING event_id;
 

@@ -403,9 +403,10 @@ func (p *Processor) storageCtx(ctx context.Context) (context.Context, context.Ca
 	return context.WithTimeout(ctx, p.cfg.StorageTimeout)
 }
 
-// applyOnce is one attempt: BEGIN (with its setting); when replaying, mark
-// the dead letter replayed; insert the processed-event row (a conflict means
-// a duplicate) — all in one pipelined round trip — then run the handler and
+// applyOnce is one attempt: BEGIN; when replaying, mark the dead letter
+// replayed; insert the processed-event row (a conflict means a duplicate),
+// which also makes the transaction's settings — all in one pipelined round
+// trip — then run the handler and
 // COMMIT: 3 round trips for an applied record, as many as a bare handler's
 // BEGIN │ INSERT │ COMMIT. Errors of the processor's own statements are
 // *storageError; the handler's are returned as they are.

@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/benchkit"
@@ -16,18 +18,31 @@ import (
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
-// Issue 11: the consumer sends BEGIN, its setting and the dedupe insert as
-// one pipeline. Counted on the wire (pgx's statement cache warm), an applied
-// record costs BEGIN+settings+dedupe insert │ the handler's INSERT │ COMMIT:
+// Issue 11: the consumer sends BEGIN and the dedupe insert (which makes the
+// transaction's settings) as one pipeline. Counted on the wire (pgx's
+// statement cache warm), an applied record costs BEGIN+dedupe insert │ the
+// handler's INSERT │ CheckOwnTransaction+COMMIT:
 // 3, as many as the bare handler's BEGIN │ INSERT │ COMMIT (it was 4). A
 // duplicate costs the pipeline │ ROLLBACK: 2 (was 3). A batch of n records
 // costs the pipeline │ n handler INSERTs │ COMMIT (was one more). The minimum
 // over a few records is taken: the pool pings a connection that sat idle
 // over a second, which is not the record's cost.
+//
+// The statements sent are counted too (issue 11, branch consmerge): the
+// transaction's settings are made by the dedupe insert itself, no longer by
+// a set_config statement of their own, so an applied record sends 5
+// statements (BEGIN, dedupe insert │ handler INSERT │ CheckOwnTransaction,
+// COMMIT; it was 6), a duplicate 3 (BEGIN, dedupe insert │ ROLLBACK; was 4)
+// and a batch of n records n+4 (was n+5).
 func TestConsumerRoundTripsOnTheWire(t *testing.T) {
 	t.Parallel()
 	var rt benchkit.RoundTrips
-	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1; c.ConnConfig.DialFunc = rt.Dial })
+	var stmts statementCount
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
+		c.MaxConns = 1
+		c.ConnConfig.DialFunc = rt.Dial
+		c.ConnConfig.Tracer = &stmts
+	})
 	if err := idem.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
@@ -37,15 +52,18 @@ func TestConsumerRoundTripsOnTheWire(t *testing.T) {
 	rec := func(id string) *idem.Record {
 		return &idem.Record{Topic: "events", Value: fmt.Appendf(nil, `{"id":%q,"amount":1}`, id)}
 	}
-	trips := func(op func(i int)) int64 {
+	// trips returns the fewest round trips and the fewest statements of
+	// five runs of op.
+	trips := func(op func(i int)) (int64, int64) {
 		t.Helper()
-		best := int64(1 << 30)
+		best, fewest := int64(1<<30), int64(1<<30)
 		for i := range 5 {
-			before := rt.Count()
+			before, sent := rt.Count(), stmts.n.Load()
 			op(i)
 			best = min(best, rt.Count()-before)
+			fewest = min(fewest, stmts.n.Load()-sent)
 		}
-		return best
+		return best, fewest
 	}
 	// Warm the statement cache, in both modes.
 	processBounded(t, p, &h, rec("warm"))
@@ -53,18 +71,18 @@ func TestConsumerRoundTripsOnTheWire(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	applied := trips(func(i int) {
+	applied, appliedStmts := trips(func(i int) {
 		if o := processBounded(t, p, &h, rec(fmt.Sprintf("rt-%d", i))); o != idem.Applied {
 			t.Fatalf("outcome %v, want applied", o)
 		}
 	})
-	duplicate := trips(func(int) {
+	duplicate, duplicateStmts := trips(func(int) {
 		if o := processBounded(t, p, &h, rec("warm")); o != idem.Duplicate {
 			t.Fatalf("outcome %v, want duplicate", o)
 		}
 	})
 	const batch = 10
-	batched := trips(func(i int) {
+	batched, batchedStmts := trips(func(i int) {
 		recs := make([]*idem.Record, batch)
 		for j := range recs {
 			recs[j] = rec(fmt.Sprintf("rt-b%d-%d", i, j))
@@ -83,7 +101,32 @@ func TestConsumerRoundTripsOnTheWire(t *testing.T) {
 	if batched != batch+2 {
 		t.Errorf("batch of %d: %d round trips, want %d", batch, batched, batch+2)
 	}
+	if appliedStmts != 5 {
+		t.Errorf("applied record: %d statements, want 5", appliedStmts)
+	}
+	if duplicateStmts != 3 {
+		t.Errorf("duplicate: %d statements, want 3", duplicateStmts)
+	}
+	if batchedStmts != batch+4 {
+		t.Errorf("batch of %d: %d statements, want %d", batch, batchedStmts, batch+4)
+	}
 }
+
+// statementCount is a pgx tracer counting the statements sent: each query
+// of a batch, and each query sent on its own (the handler's, a ROLLBACK).
+type statementCount struct{ n atomic.Int64 }
+
+func (s *statementCount) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	s.n.Add(1)
+	return ctx
+}
+func (s *statementCount) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (s *statementCount) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	s.n.Add(int64(d.Batch.Len()))
+	return ctx
+}
+func (s *statementCount) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (s *statementCount) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 // Issue 11: an event id PostgreSQL cannot store fails the dedupe insert
 // inside the pipeline (too long for the index: 54000). It is still the record's failure, named as

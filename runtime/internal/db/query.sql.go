@@ -683,8 +683,12 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 }
 
 const InsertProcessedEvent = `-- name: InsertProcessedEvent :execrows
+WITH settings AS MATERIALIZED (
+    SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
+           CASE WHEN $6::text <> '' THEN set_config('idle_in_transaction_session_timeout', $6::text, true) END AS idle
+)
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
-VALUES ($1, $2, $3, $4, $5)
+SELECT $1, $2, $3, $4, $5 FROM settings
 ON CONFLICT (context, event_id) DO NOTHING
 `
 
@@ -694,10 +698,23 @@ type InsertProcessedEventParams struct {
 	Topic      string
 	Kpartition int32
 	Koffset    int64
+	Idle       string
 }
 
 // Records that context applied event_id. 0 rows: it already had (a
-// duplicate), and the handler must not run.
+// duplicate), and the handler must not run. It also makes the consumer's
+// transaction settings, which SetTxSettings sent as a statement of its own
+// before (one statement less per record): the mark idem.saved_lock_timeout
+// that CheckOwnTransaction checks, and idle_in_transaction_session_timeout
+// unless @idle is empty (see SetIdleInTransactionTimeout). The row
+// inserted is selected from the one-row settings CTE, so set_config has
+// run before the row is inserted or found a duplicate: the settings are in
+// effect for a duplicate too (a replayed dead letter commits one, checked)
+// and for everything after this statement (the handler; the idle timeout
+// only starts counting once the pipeline ends, as before). lock_timeout is
+// not set here: the table lock this INSERT takes (at Bind, before
+// set_config runs) waits with the session's lock_timeout, as it did after
+// SetTxSettings, which set none for the consumer either.
 func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedEventParams) (int64, error) {
 	result, err := q.db.Exec(ctx, InsertProcessedEvent,
 		arg.Context,
@@ -705,6 +722,7 @@ func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedE
 		arg.Topic,
 		arg.Kpartition,
 		arg.Koffset,
+		arg.Idle,
 	)
 	if err != nil {
 		return 0, err
@@ -713,8 +731,12 @@ func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedE
 }
 
 const InsertProcessedEvents = `-- name: InsertProcessedEvents :many
+WITH settings AS MATERIALIZED (
+    SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
+           CASE WHEN $6::text <> '' THEN set_config('idle_in_transaction_session_timeout', $6::text, true) END AS idle
+)
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
-SELECT $1, unnest($2::text[]), $3, $4, unnest($5::bigint[])
+SELECT $1, unnest($2::text[]), $3, $4, unnest($5::bigint[]) FROM settings
 ON CONFLICT (context, event_id) DO NOTHING
 RETURNING event_id
 `
@@ -725,10 +747,13 @@ type InsertProcessedEventsParams struct {
 	Topic      string
 	Kpartition int32
 	Koffsets   []int64
+	Idle       string
 }
 
 // The batch form: one statement for a whole batch of one partition. Returns
-// the ids that were new; the others are duplicates.
+// the ids that were new; the others are duplicates. It makes the
+// transaction settings as InsertProcessedEvent does: the rows are selected
+// from the settings CTE.
 func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessedEventsParams) ([]string, error) {
 	rows, err := q.db.Query(ctx, InsertProcessedEvents,
 		arg.Context,
@@ -736,6 +761,7 @@ func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessed
 		arg.Topic,
 		arg.Kpartition,
 		arg.Koffsets,
+		arg.Idle,
 	)
 	if err != nil {
 		return nil, err

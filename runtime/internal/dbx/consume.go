@@ -40,21 +40,25 @@ type RecordedEvent struct {
 }
 
 // BeginRecordEvent begins a transaction on conn and, in the same pipelined
-// round trip, runs SetIdleInTransactionTimeout (when idle is positive),
-// MarkDeadLetterReplayed (when replayID is not 0) and InsertProcessedEvent:
-// the consumer's per-record statements before its handler, which sent one
-// by one cost a round trip each. The server runs them in order and skips
-// the rest at the first failure, so a failure leaves the transaction
-// aborted (or, if BEGIN failed, not begun); the error is a *StepError
-// naming the statement that failed.
+// round trip, runs MarkDeadLetterReplayed (when replayID is not 0) and
+// InsertProcessedEvent, which also makes the transaction's settings: the
+// mark CheckedCommit checks, and idle_in_transaction_session_timeout when
+// idle is positive. These are the consumer's per-record statements before
+// its handler, which sent one by one cost a round trip each. The server
+// runs them in order and skips the rest at the first failure, so a failure
+// leaves the transaction aborted (or, if BEGIN failed, not begun); the
+// error is a *StepError naming the statement that failed. idle, not
+// arg.Idle, is sent, rendered as PostgreSQL reads it.
 //
-// Unlike BoundedBegin's, the setting here is a prepared statement with a
-// parameter like the others: in a pipeline nothing is gained by folding it
-// into the begin query, and pgx's default exec mode prepares (once per
-// connection) and caches every statement of a batch.
+// The settings ride on the dedupe insert (they were a statement of their
+// own, SetTxSettings, queued after BEGIN): one statement less per record.
+// They are still made before the handler runs, and for a duplicate too.
+// The mark is made after MarkDeadLetterReplayed now, which changes
+// nothing: neither statement waits under a setting made here (no
+// lock_timeout is set for the consumer; see InsertProcessedEvent).
 func BeginRecordEvent(ctx context.Context, conn *pgx.Conn, idle time.Duration, replayID int64, arg db.InsertProcessedEventParams) (RecordedEvent, error) {
 	res := RecordedEvent{Marked: -1}
-	var steps []step
+	steps := make([]step, 0, 2)
 	if replayID != 0 {
 		steps = append(steps, step{op: "mark dead letter replayed", sql: db.MarkDeadLetterReplayed, args: []any{replayID},
 			read: func(br pgx.BatchResults) error {
@@ -66,7 +70,7 @@ func BeginRecordEvent(ctx context.Context, conn *pgx.Conn, idle time.Duration, r
 			}})
 	}
 	steps = append(steps, step{op: "record processed event", sql: db.InsertProcessedEvent,
-		args: []any{arg.Context, arg.EventID, arg.Topic, arg.Kpartition, arg.Koffset},
+		args: []any{arg.Context, arg.EventID, arg.Topic, arg.Kpartition, arg.Koffset, ms(idle)},
 		read: func(br pgx.BatchResults) error {
 			ct, err := br.Exec()
 			if err == nil {
@@ -74,19 +78,19 @@ func BeginRecordEvent(ctx context.Context, conn *pgx.Conn, idle time.Duration, r
 			}
 			return err
 		}})
-	tx, err := beginPipelined(ctx, conn, idle, steps)
+	tx, err := beginPipelined(ctx, conn, steps)
 	res.Tx = tx
 	return res, err
 }
 
 // BeginRecordEvents is BeginRecordEvent for a batch of records of one
 // partition: it begins a transaction on conn and, in the same round trip,
-// runs SetIdleInTransactionTimeout (when idle is positive) and
-// InsertProcessedEvents, returning the event ids that were new. tx and the
-// error are as in BeginRecordEvent.
+// runs InsertProcessedEvents (which makes the settings, as
+// InsertProcessedEvent does), returning the event ids that were new. tx
+// and the error are as in BeginRecordEvent, and so is idle.
 func BeginRecordEvents(ctx context.Context, conn *pgx.Conn, idle time.Duration, arg db.InsertProcessedEventsParams) (tx pgx.Tx, fresh []string, err error) {
-	tx, err = beginPipelined(ctx, conn, idle, []step{{op: "record processed events", sql: db.InsertProcessedEvents,
-		args: []any{arg.Context, arg.EventIds, arg.Topic, arg.Kpartition, arg.Koffsets},
+	tx, err = beginPipelined(ctx, conn, []step{{op: "record processed events", sql: db.InsertProcessedEvents,
+		args: []any{arg.Context, arg.EventIds, arg.Topic, arg.Kpartition, arg.Koffsets, ms(idle)},
 		read: func(br pgx.BatchResults) error {
 			rows, err := br.Query()
 			if err != nil {
@@ -107,25 +111,24 @@ type step struct {
 	read func(pgx.BatchResults) error
 }
 
-// beginPipelined sends BEGIN, the idle-in-transaction setting and steps as
-// one batch and reads their answers in order. The transaction is returned
-// whatever happened (closed if BEGIN failed or was never sent); the batch is
-// always closed, so conn is usable again unless pgx closed it.
-func beginPipelined(ctx context.Context, conn *pgx.Conn, idle time.Duration, steps []step) (pgx.Tx, error) {
+// beginPipelined sends BEGIN and steps as one batch and reads their answers
+// in order; the last step must make the transaction's settings (the mark
+// CheckedCommit checks). The transaction is returned whatever happened
+// (closed if BEGIN failed or was never sent); the batch is always closed,
+// so conn is usable again unless pgx closed it.
+func beginPipelined(ctx context.Context, conn *pgx.Conn, steps []step) (pgx.Tx, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	// SetTxSettings also marks the transaction as the runtime's own
-	// (CheckedCommit checks the mark), so it is sent even without a
-	// timeout to set.
-	begin := []step{{op: "begin", read: execOnly},
-		{op: "begin", sql: db.SetTxSettings, args: []any{"", "", ms(idle)}, read: execOnly}}
-	all := append(begin, steps...)
-	for _, s := range all[1:] {
+	for _, s := range steps {
 		b.Queue(s.sql, s.args...)
 	}
 	br := conn.SendBatch(ctx, b)
 	tx := br.Tx()
-	for _, s := range all {
+	if err := execOnly(br); err != nil {
+		_ = br.Close() // reports err again; the transaction was not begun
+		return tx, &StepError{Op: "begin", Err: err}
+	}
+	for _, s := range steps {
 		if err := s.read(br); err != nil {
 			_ = br.Close() // reports err again; the transaction is now aborted or closed
 			return tx, &StepError{Op: s.op, Err: err}
