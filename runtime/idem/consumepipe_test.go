@@ -33,7 +33,7 @@ import (
 // a set_config statement of their own, so an applied record sends 5
 // statements (BEGIN, dedupe insert │ handler INSERT │ CheckOwnTransaction,
 // COMMIT; it was 6), a duplicate 3 (BEGIN, dedupe insert │ ROLLBACK; was 4)
-// and a batch of n records n+4 (was n+5).
+// a batch of n records n+4 (was n+5), and a batch of duplicates 4.
 func TestConsumerRoundTripsOnTheWire(t *testing.T) {
 	t.Parallel()
 	var rt benchkit.RoundTrips
@@ -100,6 +100,20 @@ func TestConsumerRoundTripsOnTheWire(t *testing.T) {
 	}
 	if batched != batch+2 {
 		t.Errorf("batch of %d: %d round trips, want %d", batch, batched, batch+2)
+	}
+	// A batch of duplicates is committed like any batch: BEGIN, dedupe
+	// insert │ CheckOwnTransaction, COMMIT. The check passes only if the
+	// dedupe insert made the mark although it inserted no row; had it not,
+	// the batch would fall back to per-record processing (more round
+	// trips, the same outcomes).
+	dupBatch, dupBatchStmts := trips(func(int) {
+		outcomes, err := p.ProcessBatch(context.Background(), &h, []*idem.Record{rec("warm-b1"), rec("warm-b2")})
+		if err != nil || fmt.Sprint(outcomes) != "[duplicate duplicate]" {
+			t.Fatalf("batch of duplicates: %v, %v", outcomes, err)
+		}
+	})
+	if dupBatch != 2 || dupBatchStmts != 4 {
+		t.Errorf("batch of duplicates: %d round trips and %d statements, want 2 and 4", dupBatch, dupBatchStmts)
 	}
 	if appliedStmts != 5 {
 		t.Errorf("applied record: %d statements, want 5", appliedStmts)
