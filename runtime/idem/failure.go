@@ -227,34 +227,75 @@ func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) error {
 var errGoexit = errors.New("called runtime.Goexit")
 
 // guarded runs user code fn and turns a panic, or runtime.Goexit, into the
-// record's failure. fn runs on a goroutine of its own because Goexit cannot
-// be recovered: run on the partition's goroutine it ended that goroutine
-// silently, so neither the record nor the rest of the poll was done or
-// rewound, and the next marks committed past them (records lost). A
-// goroutine per call costs about a microsecond, nothing beside a
-// transaction.
+// record's failure. fn runs on a goroutine other than the caller's because
+// Goexit cannot be recovered: run on the partition's goroutine it ended that
+// goroutine silently, so neither the record nor the rest of the poll was
+// done or rewound, and the next marks committed past them (records lost).
+//
+// The goroutine is a guardWorker, reused from one call to the next (up to
+// maxIdleGuardWorkers wait between calls): a goroutine started per call
+// began with a small stack and grew it (a copy) in every handler that runs
+// pgx, and its start and end cost scheduler work, about 10% of the
+// consumer's own CPU per record. A worker whose fn called Goexit ends there
+// (its deferred calls run, so the caller is answered), and the next call
+// starts a new one.
 func guarded(where string, fn func() error) error {
-	var (
-		err      error
-		returned bool
-		done     = make(chan struct{})
-	)
-	go func() {
-		defer close(done)
-		defer func() {
-			if r := recover(); r != nil {
-				err = &panicError{where: where, value: r, stack: debug.Stack()}
-				returned = true
-			}
-		}()
-		err = fn()
-		returned = true
-	}()
-	<-done
-	if !returned {
+	job := &guardJob{where: where, fn: fn, done: make(chan struct{})}
+	select {
+	case w := <-idleGuardWorkers:
+		w <- job
+	default:
+		go guardWorker(job)
+	}
+	<-job.done
+	if !job.returned {
 		return &panicError{where: where, value: errGoexit, stack: nil}
 	}
-	return err
+	return job.err
+}
+
+// maxIdleGuardWorkers bounds the goroutines kept waiting for a guarded call:
+// one per partition processed at once is enough, more are ended.
+const maxIdleGuardWorkers = 64
+
+// idleGuardWorkers holds the inbox of each guardWorker waiting for a call.
+var idleGuardWorkers = make(chan chan *guardJob, maxIdleGuardWorkers)
+
+// guardJob is one guarded call: fn's result, and whether fn returned (or
+// panicked) rather than called Goexit.
+type guardJob struct {
+	where    string
+	fn       func() error
+	err      error
+	returned bool
+	done     chan struct{}
+}
+
+// guardWorker runs job, then waits for more in idleGuardWorkers, or ends
+// when that is full. A Goexit in a job ends it.
+func guardWorker(job *guardJob) {
+	inbox := make(chan *guardJob)
+	for {
+		job.run()
+		select {
+		case idleGuardWorkers <- inbox:
+		default:
+			return
+		}
+		job = <-inbox
+	}
+}
+
+func (j *guardJob) run() {
+	defer close(j.done)
+	defer func() {
+		if r := recover(); r != nil {
+			j.err = &panicError{where: j.where, value: r, stack: debug.Stack()}
+			j.returned = true
+		}
+	}()
+	j.err = j.fn()
+	j.returned = true
 }
 
 // maxErrorText bounds the error text stored in a dead letter.
