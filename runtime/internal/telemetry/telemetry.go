@@ -11,6 +11,7 @@ package telemetry
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -55,6 +56,52 @@ type Telemetry struct {
 	relayParked    metric.Int64Counter
 	relayLeader    metric.Int64Gauge
 	relayBackoff   metric.Float64Gauge
+
+	// recordAttrs caches a *recordAttrs per recordKey: what RecordStart
+	// would otherwise build again for every record.
+	recordAttrs sync.Map
+}
+
+// recordKey is a consumer and a topic it consumes.
+type recordKey struct{ consumer, topic string }
+
+// recordAttrs is what every record of one consumer and topic shares: the
+// span name and the metric attribute sets, built once (an attribute set is
+// sorted and allocated each time it is made).
+type recordAttrs struct {
+	spanName string
+	duration metric.MeasurementOption // consumer, topic
+	outcomes map[string]metric.MeasurementOption
+}
+
+// recordOutcomes are the outcome values RecordStart's finish function is
+// given (idem.Outcome's names and "cancelled"); others are built per call.
+var recordOutcomes = []string{"applied", "duplicate", "dead-lettered", "cancelled"}
+
+// attrsFor returns the cached recordAttrs of consumer and topic.
+func (t *Telemetry) attrsFor(consumer, topic string) *recordAttrs {
+	k := recordKey{consumer, topic}
+	if a, ok := t.recordAttrs.Load(k); ok {
+		return a.(*recordAttrs)
+	}
+	a := &recordAttrs{
+		spanName: "idem.consume " + topic,
+		duration: metric.WithAttributeSet(attribute.NewSet(KeyConsumer.String(consumer), KeyTopic.String(topic))),
+		outcomes: make(map[string]metric.MeasurementOption, len(recordOutcomes)),
+	}
+	for _, o := range recordOutcomes {
+		a.outcomes[o] = a.outcome(consumer, topic, o)
+	}
+	v, _ := t.recordAttrs.LoadOrStore(k, a)
+	return v.(*recordAttrs)
+}
+
+// outcome returns the records counter's attributes for outcome.
+func (a *recordAttrs) outcome(consumer, topic, outcome string) metric.MeasurementOption {
+	if o, ok := a.outcomes[outcome]; ok {
+		return o
+	}
+	return metric.WithAttributeSet(attribute.NewSet(KeyConsumer.String(consumer), KeyTopic.String(topic), KeyOutcome.String(outcome)))
 }
 
 // New creates the instruments on mp and tp (nil: the global providers).
@@ -150,13 +197,13 @@ func (t *Telemetry) RecordStart(ctx context.Context, consumer, topic string, par
 		return ctx, func(string, error) {}
 	}
 	start := time.Now()
-	ctx, span := t.tracer.Start(ctx, "idem.consume "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
+	a := t.attrsFor(consumer, topic)
+	ctx, span := t.tracer.Start(ctx, a.spanName, trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic),
 			KeyPartition.Int64(int64(partition)), KeyOffset.Int64(offset)))
 	return ctx, func(outcome string, err error) {
-		attrs := metric.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic), KeyOutcome.String(outcome))
-		t.records.Add(ctx, 1, attrs)
-		t.recordDuration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic)))
+		t.records.Add(ctx, 1, a.outcome(consumer, topic, outcome))
+		t.recordDuration.Record(ctx, time.Since(start).Seconds(), a.duration)
 		end(span, outcome, err)
 	}
 }
@@ -170,15 +217,16 @@ func (t *Telemetry) BatchStart(ctx context.Context, consumer, topic string, part
 		return ctx, func([]string, error) {}
 	}
 	start := time.Now()
-	ctx, span := t.tracer.Start(ctx, "idem.consume "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
+	a := t.attrsFor(consumer, topic)
+	ctx, span := t.tracer.Start(ctx, a.spanName, trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic),
 			KeyPartition.Int64(int64(partition)), KeyOffset.Int64(firstOffset),
 			attribute.Int("messaging.batch.message_count", n)))
 	return ctx, func(outcomes []string, err error) {
 		per := time.Since(start).Seconds() / float64(max(len(outcomes), 1))
 		for _, o := range outcomes {
-			t.records.Add(ctx, 1, metric.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic), KeyOutcome.String(o)))
-			t.recordDuration.Record(ctx, per, metric.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic)))
+			t.records.Add(ctx, 1, a.outcome(consumer, topic, o))
+			t.recordDuration.Record(ctx, per, a.duration)
 		}
 		outcome := "done"
 		if err != nil {

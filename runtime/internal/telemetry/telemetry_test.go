@@ -3,6 +3,7 @@ package telemetry_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -182,4 +183,56 @@ func TestNilTelemetry(t *testing.T) {
 	_, d2 := tel.RecordStart(ctx, "c", "t", 0, 0)
 	d2("applied", nil)
 	tel.RelayLeader(ctx, true)
+}
+
+// The record instruments' attribute sets are built once per consumer and
+// topic (recordAttrs) and reused: each record still counts under its own
+// consumer, topic and outcome, per record and per batch, an outcome outside
+// the cached ones included, and the span is named after its topic.
+func TestRecordAttributesPerConsumerAndTopic(t *testing.T) {
+	tel, reader, rec := setup(t)
+	ctx := context.Background()
+	for range 2 {
+		for _, c := range []struct{ consumer, topic string }{{"billing", "orders"}, {"billing", "refunds"}, {"shipping", "orders"}} {
+			_, done := tel.RecordStart(ctx, c.consumer, c.topic, 0, 1)
+			done("applied", nil)
+			_, done = tel.RecordStart(ctx, c.consumer, c.topic, 0, 2)
+			done("unknown", nil)
+		}
+	}
+	_, done := tel.BatchStart(ctx, "shipping", "orders", 0, 3, 2)
+	done([]string{"duplicate", "applied"}, nil)
+	m := collect(t, reader)
+	for _, c := range []struct {
+		consumer, topic, outcome string
+		want                     int64
+	}{
+		{"billing", "orders", "applied", 2}, {"billing", "refunds", "applied", 2}, {"shipping", "orders", "applied", 3},
+		{"billing", "orders", "unknown", 2}, {"shipping", "orders", "duplicate", 1}, {"billing", "refunds", "duplicate", 0},
+	} {
+		if got := sumFor(t, m["idem.consumer.records"], telemetry.KeyConsumer.String(c.consumer), telemetry.KeyTopic.String(c.topic),
+			telemetry.KeyOutcome.String(c.outcome)); got != c.want {
+			t.Errorf("%s/%s/%s = %d, want %d", c.consumer, c.topic, c.outcome, got, c.want)
+		}
+	}
+	h, ok := m["idem.consumer.duration"].(metricdata.Histogram[float64])
+	if !ok {
+		t.Fatalf("duration: %T", m["idem.consumer.duration"])
+	}
+	counts := map[string]uint64{}
+	for _, dp := range h.DataPoints {
+		c, _ := dp.Attributes.Value(telemetry.KeyConsumer)
+		tp, _ := dp.Attributes.Value(telemetry.KeyTopic)
+		counts[c.AsString()+"/"+tp.AsString()] += dp.Count
+	}
+	if want := map[string]uint64{"billing/orders": 4, "billing/refunds": 4, "shipping/orders": 6}; fmt.Sprint(counts) != fmt.Sprint(want) {
+		t.Errorf("duration counts %v, want %v", counts, want)
+	}
+	names := map[string]int{}
+	for _, s := range rec.Ended() {
+		names[s.Name()]++
+	}
+	if want := map[string]int{"idem.consume orders": 9, "idem.consume refunds": 4}; fmt.Sprint(names) != fmt.Sprint(want) {
+		t.Errorf("spans %v, want %v", names, want)
+	}
 }
