@@ -284,7 +284,7 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 //
 //   - bare:    BEGIN, the benchmark's INSERT, COMMIT;
 //   - runtime: BEGIN, SetTxSettings, ClaimKey, LockExpiredKey, GetKey,
-//     RestoreLockTimeout, the same INSERT, StoreKey, COMMIT — a first
+//     RestoreLockTimeout, the same INSERT, StoreNewKey, COMMIT — a first
 //     request's statements (its three round trips squeezed into one);
 //
 // each on a new key, in alternating rounds of 1,000 (5,000 long).
