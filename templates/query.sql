@@ -99,7 +99,8 @@ ON CONFLICT (scope, principal, key) DO NOTHING;
 -- name: StoreKey :exec
 -- Stores the response of the key this transaction claimed, in the
 -- transaction that made the effect: a new row, or an expired one taken
--- over. A live row here means another transaction completed the key
+-- over (or this transaction's own claim row, ClaimKeyRow's). A claim that
+-- saw no row and wrote none stores with StoreNewKey instead. A live row here means another transaction completed the key
 -- without the advisory lock (under repeatable read that is a row committed
 -- after this transaction's snapshot, which PostgreSQL itself reports as a
 -- serialization failure): idem_key_completed_elsewhere raises 40001 then,
@@ -132,6 +133,30 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
             WHEN EXISTS (SELECT 1 FROM stored) THEN true
             ELSE idem_key_completed_elsewhere(@scope, @principal, @key) END::boolean;
+
+-- name: StoreNewKey :exec
+-- StoreKey for a key whose claim saw no row and wrote none (read committed:
+-- GetKey, with a snapshot taken after the key's lock, found nothing), the
+-- common first request: a plain INSERT, without StoreKey's speculative
+-- insertion (ON CONFLICT) and CTE, which cost the backend CPU on every
+-- first request for a conflict that needs a writer that did not take the
+-- key's advisory lock. Such a row, committed after the claim, makes this
+-- INSERT fail with a unique violation (23505) on idem_keys' primary key,
+-- which the runtime treats as StoreKey's serialization failure: nothing
+-- commits (the COMMIT pipelined after it is skipped) and the retry replays
+-- the row, or takes it over when it has expired. An INSERT of the same key
+-- in progress elsewhere is waited on (bounded by the lock_timeout, as
+-- StoreKey's ON CONFLICT waits). The WHERE is StoreKey's first WHEN: the
+-- check that this is still the transaction that claimed the key (22P02,
+-- with the same message, when not). The TTL counts from this statement,
+-- as StoreKey's.
+INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+SELECT CAST(@scope AS text), CAST(@principal AS text), CAST(@key AS text), CAST(@fingerprint AS bytea),
+       CAST(@status_code AS integer), CAST(sqlc.arg(headers)::text AS jsonb), CAST(@body AS bytea),
+       statement_timestamp() + make_interval(secs => @ttl_seconds::float8)
+WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
+           THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
+           ELSE true END;
 
 -- name: CheckOwnTransaction :exec
 -- Fails unless this is the transaction the runtime began: every runtime

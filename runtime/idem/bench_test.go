@@ -284,7 +284,7 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 //
 //   - bare:    BEGIN, the benchmark's INSERT, COMMIT;
 //   - runtime: BEGIN, SetTxSettings, ClaimKey, LockExpiredKey, GetKey,
-//     RestoreLockTimeout, the same INSERT, StoreKey, COMMIT — a first
+//     RestoreLockTimeout, the same INSERT, StoreNewKey, COMMIT — a first
 //     request's statements (its three round trips squeezed into one);
 //
 // each on a new key, in alternating rounds of 1,000 (5,000 long).
@@ -311,7 +311,7 @@ func statementCPU(b *testing.B, pool *pgxpool.Pool) {
 		}
 		bt.Queue(`INSERT INTO effects (order_id, amount) VALUES ($1, $2) RETURNING id`, "o-1", 100)
 		if runtime {
-			bt.Queue(db.StoreKey, "bench", "", key, []byte{1}, int32(201), []byte(`{"Location":["/x"]}`), []byte(`{"id":1}`), 86400.0)
+			bt.Queue(db.StoreNewKey, "bench", "", key, []byte{1}, int32(201), []byte(`{"Location":["/x"]}`), []byte(`{"id":1}`), 86400.0)
 		}
 		bt.Queue("commit")
 		if err := conn.SendBatch(ctx, bt).Close(); err != nil {

@@ -573,7 +573,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		}
 		defer conn.Release()
 		defer rollback(ctx, tx) // after Commit this is a no-op
-		return h.run(ctx, ep, in, tx, call)
+		return h.run(ctx, ep, in, tx, false, call)
 	}
 	stored := in.key.storageKey()
 	turn, out, err := h.flights.wait(ctx, stored, in.fingerprint, deadline, ep.NoWait)
@@ -654,7 +654,13 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 		return nil, errElsewhere
 	}
 	crash.Point(ctx, "http.after-claim")
-	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, call)
+	// Under read committed the claim wrote nothing, and when GetKey (with a
+	// snapshot taken after the key's lock) saw no row either, the response
+	// is stored with a plain INSERT (StoreNewKey). A claim that saw a row
+	// (an expired one, taken over) or wrote one (ClaimKeyRow, when the
+	// snapshot predates the lock) leaves a row for StoreKey to replace.
+	fresh := !c.found && !dbx.SnapshotBeforeClaim(h.txOptions)
+	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, fresh, call)
 }
 
 // claimResult is what a claim found: claimed, this transaction runs the
@@ -803,8 +809,9 @@ func connCheckRefused(err error) bool {
 }
 
 // run calls the function in tx, stores its response on the claimed key (if
-// any) and commits.
-func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
+// any) and commits. fresh: the claim saw no row of the key and wrote none
+// (see StoreNewKey).
+func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = context.WithValue(ctx, headerCtx{}, header)
 	ctx = context.WithValue(ctx, principalCtx{}, in.principal)
@@ -859,7 +866,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 		// The response is stored and the transaction committed in one
 		// round trip; a failed store skips the COMMIT (the transaction
 		// rolls back).
-		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, db.StoreKeyParams{
+		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, fresh, db.StoreKeyParams{
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
 			StatusCode: int32(out.status), Headers: string(headers), Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
@@ -877,9 +884,10 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, cal
 			// shutdown or a terminate while a synchronous commit waits for
 			// its standby: "already committed locally"). Unknown, as above.
 			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "commit", err))
-		case c == "40001" || c == "40P01":
+		case c == "40001" || c == "40P01" || (c == "23505" && !errors.Is(err, dbx.ErrCommit) && keyRowConflict(err)):
 			// Nothing committed: the key was completed by another
-			// transaction after this one's snapshot (StoreKey), or the
+			// transaction after this one's snapshot (StoreKey; StoreNewKey
+			// reports it as a unique violation of the key's row), or the
 			// COMMIT lost a serialization race. The next attempt replays
 			// or runs the function again.
 			return nil, errRetryClaim
@@ -930,6 +938,13 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 		return fmt.Errorf("%w: the function's statement conflicted with another transaction: %w", errBusy, err)
 	}
 	return err
+}
+
+// keyRowConflict reports a unique violation of idem_keys' primary key: the
+// key's row, which StoreNewKey found written by another transaction.
+func keyRowConflict(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.ConstraintName == "idem_keys_pkey"
 }
 
 // notClaimingTx is in the message of StoreKey's failure when it runs in

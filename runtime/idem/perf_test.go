@@ -379,6 +379,50 @@ func TestStoreKeyRefusesARowCompletedElsewhere(t *testing.T) {
 	}
 }
 
+// Issue 11: a first request whose claim saw no row stores its response
+// with a plain INSERT (StoreNewKey), which an expired row written meanwhile
+// by something that did not take the key's lock makes fail with a unique
+// violation, where StoreKey's ON CONFLICT would take the row over in place.
+// Nothing commits next to it: the retry claims the expired row, runs the
+// function again and replaces the row, one effect in all. (The second run is
+// how this test knows StoreNewKey was sent.)
+func TestStoreNewKeyRetriesOverAnExpiredRowWrittenElsewhere(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	var once sync.Once
+	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
+		once.Do(func() {
+			pgtest.Exec(t, e.pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+				VALUES ('test.charge', '', 'k-expired-elsewhere', '\x00'::bytea, 201, '{}', '{"elsewhere":true}', now() - interval '1 second')`)
+		})
+		return nil
+	}
+	h := e.handler(idem.Endpoint{Wait: 2 * time.Second})
+	if r := do(h, "k-expired-elsewhere", body1); r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("answer %d replayed=%q %s, want 201 from a run", r.status, r.header.Get("Idempotent-Replayed"), r.body)
+	}
+	if n := e.effects(); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
+	if n := e.calls.Load(); n != 2 {
+		t.Fatalf("function ran %d times, want 2 (the first run's store met the row and rolled back)", n)
+	}
+	var body string
+	var live bool
+	if err := e.pool.QueryRow(ctx, `SELECT convert_from(body, 'UTF8'), expires_at > now() FROM idem_keys WHERE key = 'k-expired-elsewhere'`).Scan(&body, &live); err != nil {
+		t.Fatal(err)
+	}
+	if body == `{"elsewhere":true}` || !live {
+		t.Fatalf("stored body %s live=%v: the expired row was not replaced", body, live)
+	}
+	if r := do(h, "k-expired-elsewhere", body1); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("second request: %d replayed=%q, want a replay", r.status, r.header.Get("Idempotent-Replayed"))
+	}
+	if n := e.calls.Load(); n != 2 {
+		t.Fatalf("function ran %d times after the replay, want 2", n)
+	}
+}
+
 // Issue 11 review: the TTL counts from the completion (StoreKey), not from
 // the claim at the transaction's start: a function slower than its TTL
 // still leaves a key that is replayed, where it was stored already expired

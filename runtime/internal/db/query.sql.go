@@ -1504,7 +1504,8 @@ type StoreKeyParams struct {
 
 // Stores the response of the key this transaction claimed, in the
 // transaction that made the effect: a new row, or an expired one taken
-// over. A live row here means another transaction completed the key
+// over (or this transaction's own claim row, ClaimKeyRow's). A claim that
+// saw no row and wrote none stores with StoreNewKey instead. A live row here means another transaction completed the key
 // without the advisory lock (under repeatable read that is a row committed
 // after this transaction's snapshot, which PostgreSQL itself reports as a
 // serialization failure): idem_key_completed_elsewhere raises 40001 then,
@@ -1525,6 +1526,56 @@ type StoreKeyParams struct {
 // undoes its INSERT too: nothing is stored and the COMMIT is skipped.
 func (q *Queries) StoreKey(ctx context.Context, arg StoreKeyParams) error {
 	_, err := q.db.Exec(ctx, StoreKey,
+		arg.Scope,
+		arg.Principal,
+		arg.Key,
+		arg.Fingerprint,
+		arg.StatusCode,
+		arg.Headers,
+		arg.Body,
+		arg.TtlSeconds,
+	)
+	return err
+}
+
+const StoreNewKey = `-- name: StoreNewKey :exec
+INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+SELECT CAST($1 AS text), CAST($2 AS text), CAST($3 AS text), CAST($4 AS bytea),
+       CAST($5 AS integer), CAST($6::text AS jsonb), CAST($7 AS bytea),
+       statement_timestamp() + make_interval(secs => $8::float8)
+WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
+           THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
+           ELSE true END
+`
+
+type StoreNewKeyParams struct {
+	Scope       string
+	Principal   string
+	Key         string
+	Fingerprint []byte
+	StatusCode  int32
+	Headers     string
+	Body        []byte
+	TtlSeconds  float64
+}
+
+// StoreKey for a key whose claim saw no row and wrote none (read committed:
+// GetKey, with a snapshot taken after the key's lock, found nothing), the
+// common first request: a plain INSERT, without StoreKey's speculative
+// insertion (ON CONFLICT) and CTE, which cost the backend CPU on every
+// first request for a conflict that needs a writer that did not take the
+// key's advisory lock. Such a row, committed after the claim, makes this
+// INSERT fail with a unique violation (23505) on idem_keys' primary key,
+// which the runtime treats as StoreKey's serialization failure: nothing
+// commits (the COMMIT pipelined after it is skipped) and the retry replays
+// the row, or takes it over when it has expired. An INSERT of the same key
+// in progress elsewhere is waited on (bounded by the lock_timeout, as
+// StoreKey's ON CONFLICT waits). The WHERE is StoreKey's first WHEN: the
+// check that this is still the transaction that claimed the key (22P02,
+// with the same message, when not). The TTL counts from this statement,
+// as StoreKey's.
+func (q *Queries) StoreNewKey(ctx context.Context, arg StoreNewKeyParams) error {
+	_, err := q.db.Exec(ctx, StoreNewKey,
 		arg.Scope,
 		arg.Principal,
 		arg.Key,

@@ -96,18 +96,25 @@ func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, arg db.Claim
 // so that the caller can tell it from the failure of the statement before it.
 var ErrCommit = errors.New("commit")
 
-// StoreKeyCommit runs StoreKey and COMMIT in one pipelined round trip.
-// If StoreKey fails (including when it finds the key completed elsewhere: a
-// serialization failure, 40001) the server skips the COMMIT (the pipeline stops at
+// StoreKeyCommit runs StoreKey and COMMIT in one pipelined round trip; with
+// fresh, StoreNewKey instead of StoreKey: the caller's claim saw no row of
+// the key and wrote none (see StoreNewKey), so a plain INSERT stores it.
+// If the statement fails (including when it finds the key completed
+// elsewhere: a serialization failure, 40001, from StoreKey; a unique
+// violation, 23505, from StoreNewKey) the server skips the COMMIT (the pipeline stops at
 // the first error) and the transaction is left aborted, to be rolled back;
 // a COMMIT failure is returned wrapping ErrCommit. Either way the caller must
 // end tx as usual: after a successful call the connection is no longer in a
 // transaction (pgconn.PgConn.TxStatus is 'I') although tx does not know it,
 // and a rollback is then not to be sent (see the caller's endTx). A tx begun
 // with a custom CommitQuery is committed with tx.Commit instead.
-func StoreKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.StoreKeyParams) error {
+func StoreKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, fresh bool, arg db.StoreKeyParams) error {
+	sql := db.StoreKey
+	if fresh {
+		sql = db.StoreNewKey
+	}
 	if commitQuery != "" {
-		if err := db.New(tx).StoreKey(ctx, arg); err != nil {
+		if _, err := tx.Exec(ctx, sql, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.StatusCode, arg.Headers, arg.Body, arg.TtlSeconds); err != nil {
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {
@@ -115,7 +122,7 @@ func StoreKeyCommit(ctx context.Context, tx pgx.Tx, commitQuery string, arg db.S
 		}
 		return nil
 	}
-	return commitAfter(ctx, tx, db.StoreKey, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.StatusCode, arg.Headers, arg.Body, arg.TtlSeconds)
+	return commitAfter(ctx, tx, sql, arg.Scope, arg.Principal, arg.Key, arg.Fingerprint, arg.StatusCode, arg.Headers, arg.Body, arg.TtlSeconds)
 }
 
 // commitAfter runs sql and COMMIT in one pipelined round trip. A failure of
