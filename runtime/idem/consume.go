@@ -346,7 +346,7 @@ func outcomeName(o Outcome, err error) string {
 // not nil, is the record's failure in a batch that was rolled back: that run
 // was its first attempt.
 func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, replayID int64, failed error) (Outcome, error) {
-	ev, id, err := safeDecode(h, rec)
+	ev, id, err := safeDecode(ctx, h, rec)
 	if err != nil {
 		return p.deadLetter(ctx, h, rec, replayID, 1, err)
 	}
@@ -583,7 +583,7 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 	ids := make([]string, len(recs))
 	offsets := make([]int64, len(recs))
 	for i, rec := range recs {
-		ev, id, err := safeDecode(h, rec)
+		ev, id, err := safeDecode(ctx, h, rec)
 		if err != nil {
 			return nil, errBatchNeedsFallback
 		}

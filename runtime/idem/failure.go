@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"runtime/pprof"
 	"strings"
 	"unicode/utf8"
 
@@ -205,8 +206,8 @@ func isOutageError(err error) bool {
 // safeDecode decodes rec and reads its event id; a panic in user code (a
 // Decode function, an id accessor dereferencing a nil pointer) is the
 // record's failure, never the consumer's end.
-func safeDecode(h *EventHandler, rec *Record) (ev any, id string, err error) {
-	guardErr := guarded("decoding the record or reading its event id", func() error {
+func safeDecode(ctx context.Context, h *EventHandler, rec *Record) (ev any, id string, err error) {
+	guardErr := guarded(ctx, "decoding the record or reading its event id", func() error {
 		var derr error
 		ev, id, derr = h.decode(rec)
 		return derr
@@ -219,7 +220,7 @@ func safeDecode(h *EventHandler, rec *Record) (ev any, id string, err error) {
 
 // safeCall runs the handler; a panic is the record's failure.
 func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) error {
-	return guarded("handler", func() error { return h.call(ctx, tx, ev) })
+	return guarded(ctx, "handler", func() error { return h.call(ctx, tx, ev) })
 }
 
 // errGoexit is user code that ended its goroutine with runtime.Goexit
@@ -239,8 +240,16 @@ var errGoexit = errors.New("called runtime.Goexit")
 // consumer's own CPU per record. A worker whose fn called Goexit ends there
 // (its deferred calls run, so the caller is answered), and the next call
 // starts a new one.
-func guarded(where string, fn func() error) error {
-	job := &guardJob{where: where, fn: fn, done: make(chan struct{})}
+//
+// fn runs under ctx's profiler labels (pprof.Do around a consumer's Run
+// labels its handlers' samples): a goroutine started per call inherited its
+// caller's labels, and a reused worker would keep those of whichever
+// goroutine started it, or those a previous fn set. Code that locks the
+// worker to its OS thread (runtime.LockOSThread) and returns without
+// unlocking is not detected: the worker, still locked, runs later calls on
+// that thread, where a goroutine started per call ended with its thread.
+func guarded(ctx context.Context, where string, fn func() error) error {
+	job := &guardJob{ctx: ctx, where: where, fn: fn, done: make(chan struct{})}
 	select {
 	case w := <-idleGuardWorkers:
 		w <- job
@@ -264,6 +273,7 @@ var idleGuardWorkers = make(chan chan *guardJob, maxIdleGuardWorkers)
 // guardJob is one guarded call: fn's result, and whether fn returned (or
 // panicked) rather than called Goexit.
 type guardJob struct {
+	ctx      context.Context // its profiler labels are fn's
 	where    string
 	fn       func() error
 	err      error
@@ -288,6 +298,8 @@ func guardWorker(job *guardJob) {
 
 func (j *guardJob) run() {
 	defer close(j.done)
+	pprof.SetGoroutineLabels(j.ctx)
+	defer pprof.SetGoroutineLabels(context.Background()) // none left to the next job
 	defer func() {
 		if r := recover(); r != nil {
 			j.err = &panicError{where: j.where, value: r, stack: debug.Stack()}

@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"context"
 	"errors"
 	"runtime"
 	"strings"
@@ -16,17 +17,17 @@ import (
 func TestGuardedReusesWorkersSafely(t *testing.T) {
 	errMine := errors.New("mine")
 	for round := range 3 {
-		if err := guarded("test", func() error { return nil }); err != nil {
+		if err := guarded(context.Background(), "test", func() error { return nil }); err != nil {
 			t.Fatalf("round %d: nil fn: %v", round, err)
 		}
 		var pe *panicError
-		if err := guarded("test", func() error { runtime.Goexit(); return nil }); !errors.As(err, &pe) || pe.value != errGoexit {
+		if err := guarded(context.Background(), "test", func() error { runtime.Goexit(); return nil }); !errors.As(err, &pe) || pe.value != errGoexit {
 			t.Fatalf("round %d: Goexit: %v", round, err)
 		}
-		if err := guarded("test", func() error { panic("boom") }); !errors.As(err, &pe) || pe.value != "boom" {
+		if err := guarded(context.Background(), "test", func() error { panic("boom") }); !errors.As(err, &pe) || pe.value != "boom" {
 			t.Fatalf("round %d: panic: %v", round, err)
 		}
-		if err := guarded("test", func() error { return errMine }); err != errMine {
+		if err := guarded(context.Background(), "test", func() error { return errMine }); err != errMine {
 			t.Fatalf("round %d: error: %v", round, err)
 		}
 	}
@@ -35,7 +36,7 @@ func TestGuardedReusesWorkersSafely(t *testing.T) {
 	for i := range errs {
 		wg.Go(func() {
 			want := errors.New("call")
-			if err := guarded("test", func() error { return want }); err != want {
+			if err := guarded(context.Background(), "test", func() error { return want }); err != want {
 				errs[i] = err
 			}
 		})
@@ -54,7 +55,7 @@ func TestGuardedReusesWorkersSafely(t *testing.T) {
 func TestGuardedRunsOnTheSameGoroutineAgain(t *testing.T) {
 	goroutine := func() string {
 		var id string
-		_ = guarded("test", func() error {
+		_ = guarded(context.Background(), "test", func() error {
 			b := make([]byte, 64)
 			id = strings.Fields(string(b[:runtime.Stack(b, false)]))[1] // "goroutine N [running]:"
 			return nil

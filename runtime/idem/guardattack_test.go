@@ -1,0 +1,134 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"runtime"
+	"runtime/pprof"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// setAsideIdleGuardWorkers empties idleGuardWorkers for the test and puts
+// the workers back after it, so that the worker a test's first call leaves
+// idle is the one its next call reuses.
+func setAsideIdleGuardWorkers(t *testing.T) {
+	var aside []chan *guardJob
+	for len(idleGuardWorkers) > 0 {
+		aside = append(aside, <-idleGuardWorkers)
+	}
+	t.Cleanup(func() {
+		for _, w := range aside {
+			select {
+			case idleGuardWorkers <- w:
+			default:
+			}
+		}
+	})
+}
+
+// waitIdleGuardWorker waits until a worker is back among the idle ones.
+func waitIdleGuardWorker(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for len(idleGuardWorkers) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no idle guard worker 5s after a call")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// attack1LabelProbe blocks the guarded call that runs it until release is
+// closed, so that the goroutine profile shows it, with its labels.
+//
+//go:noinline
+func attack1LabelProbe(running chan<- struct{}, release <-chan struct{}) {
+	close(running)
+	<-release
+}
+
+// labelsOfProbe runs a guarded call from a goroutine labelled
+// consumer=name and returns the pprof labels of the goroutine that ran it,
+// as the goroutine profile reports them.
+func labelsOfProbe(t *testing.T, name string) string {
+	t.Helper()
+	running, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	go pprof.Do(context.Background(), pprof.Labels("consumer", name), func(ctx context.Context) {
+		defer close(done)
+		_ = guarded(ctx, "test", func() error { attack1LabelProbe(running, release); return nil })
+	})
+	<-running
+	var buf bytes.Buffer
+	if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	<-done
+	for _, rec := range strings.Split(buf.String(), "\n\n") {
+		if !strings.Contains(rec, "attack1LabelProbe") {
+			continue
+		}
+		for _, line := range strings.Split(rec, "\n") {
+			if l, ok := strings.CutPrefix(line, "# labels: "); ok {
+				return l
+			}
+		}
+		return "(none)"
+	}
+	t.Fatal("the probe's goroutine is not in the goroutine profile")
+	return ""
+}
+
+// attack1 (issue 11, guardWorker): a guarded call runs user code under the
+// caller's pprof labels (a consumer's CPU profile attributes a handler's
+// samples to the consumer, as pprof.Do around Run labels it). A goroutine
+// started per call inherited the caller's labels; a reused worker kept
+// those of the goroutine that happened to start it, so consumer B's
+// handler was profiled as consumer A's.
+func TestGuardedRunsUnderTheCallersProfilerLabels(t *testing.T) {
+	setAsideIdleGuardWorkers(t)
+	if got := labelsOfProbe(t, "A"); got != `{"consumer":"A"}` {
+		t.Fatalf("first call: labels %s, want consumer A's", got)
+	}
+	waitIdleGuardWorker(t)
+	if got := labelsOfProbe(t, "B"); got != `{"consumer":"B"}` {
+		t.Fatalf("second call, from consumer B: labels %s, want consumer B's", got)
+	}
+	// A handler that sets its goroutine's labels and returns does not
+	// leave them to the next call.
+	_ = guarded(context.Background(), "test", func() error {
+		pprof.SetGoroutineLabels(pprof.WithLabels(context.Background(), pprof.Labels("leaked", "yes")))
+		return nil
+	})
+	waitIdleGuardWorker(t)
+	if got := labelsOfProbe(t, "C"); got != `{"consumer":"C"}` {
+		t.Fatalf("call after a handler set labels: %s, want consumer C's", got)
+	}
+}
+
+// attack1 (issue 11, guardWorker): user code that locks its goroutine to
+// its OS thread (runtime.LockOSThread, to change thread state: a network
+// namespace, a capability, a thread name) and returns without unlocking had
+// that thread ended with its goroutine, so no other code ever ran on the
+// changed thread. A reused worker stays locked and runs the next handlers —
+// other records', other consumers' — on the changed thread.
+func TestGuardedCallLockingItsThreadDoesNotLeakTheThread(t *testing.T) {
+	setAsideIdleGuardWorkers(t)
+	var locked int
+	_ = guarded(context.Background(), "test", func() error {
+		runtime.LockOSThread()
+		locked = syscall.Gettid()
+		return nil
+	})
+	for i := range 4 * maxIdleGuardWorkers {
+		var tid int
+		_ = guarded(context.Background(), "test", func() error { tid = syscall.Gettid(); return nil })
+		if tid == locked {
+			t.Fatalf("call %d ran on thread %d, which an earlier call locked and left locked", i, tid)
+		}
+		time.Sleep(100 * time.Microsecond) // let the worker go back idle
+	}
+}
