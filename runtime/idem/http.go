@@ -525,8 +525,11 @@ var (
 	errElsewhere = errors.New("key in flight in another transaction")
 	// errRetryClaim: the claim lost a serialization race with a request
 	// that just finished; a new transaction will see its row.
-	errRetryClaim  = errors.New("claim must be retried")
-	errFingerprint = errors.New("key reused with a different request")
+	errRetryClaim = errors.New("claim must be retried")
+	// errKeyRowExists wraps errRetryClaim when StoreNewKey met a row of the
+	// key: the request's next attempts store with StoreKey (see attempt).
+	errKeyRowExists = errors.New("StoreNewKey met a row of the key")
+	errFingerprint  = errors.New("key reused with a different request")
 	// errBusy: no connection, or a lock other than the key's, within the
 	// wait (503 with Retry-After).
 	errBusy          = errors.New("database busy")
@@ -582,8 +585,9 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 	}
 	defer turn.release()
 	poll := pollMin
+	rowSeen := false // a StoreNewKey of this request met a row of the key
 	for polled := false; ; polled = true {
-		out, err := h.attempt(ctx, ep, in, stored, deadline, call)
+		out, err := h.attempt(ctx, ep, in, stored, deadline, rowSeen, call)
 		if err == nil {
 			// out is now the key's stored response: the duplicates waiting
 			// for the turn answer it without touching the database.
@@ -598,6 +602,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 				h.tel.HTTPWaited(ctx, endpointName(ctx)) // in flight on another replica
 			}
 		case errors.Is(err, errRetryClaim):
+			rowSeen = rowSeen || errors.Is(err, errKeyRowExists)
 		case polled && errors.Is(err, errBusy) && !time.Now().Before(deadline):
 			// The wait ran out during a poll for a key in flight elsewhere.
 			return nil, errInFlight
@@ -624,7 +629,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 
 // attempt is one claim transaction: it runs the function (claimed), replays
 // (a live row), or returns errElsewhere (in flight in another transaction).
-func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key, deadline time.Time, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
+func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key, deadline time.Time, rowSeen bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	tx, conn, c, err := h.begin(ctx, deadline, &db.ClaimKeyParams{
 		Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, LockID: stored.lockID(),
 	})
@@ -659,7 +664,12 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	// is stored with a plain INSERT (StoreNewKey). A claim that saw a row
 	// (an expired one, taken over) or wrote one (ClaimKeyRow, when the
 	// snapshot predates the lock) leaves a row for StoreKey to replace.
-	fresh := !c.found && !dbx.SnapshotBeforeClaim(h.txOptions)
+	// rowSeen: an earlier attempt's StoreNewKey met a row that this claim
+	// cannot see, which may be the function's own (it inserted its key's
+	// row, expired): StoreKey, as before StoreNewKey, takes an expired one
+	// over where StoreNewKey would fail again at every attempt until the
+	// wait ran out.
+	fresh := !c.found && !rowSeen && !dbx.SnapshotBeforeClaim(h.txOptions)
 	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, fresh, call)
 }
 
@@ -884,10 +894,16 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 			// shutdown or a terminate while a synchronous commit waits for
 			// its standby: "already committed locally"). Unknown, as above.
 			return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "commit", err))
-		case c == "40001" || c == "40P01" || (c == "23505" && !errors.Is(err, dbx.ErrCommit) && keyRowConflict(err)):
+		case c == "23505" && !errors.Is(err, dbx.ErrCommit) && keyRowConflict(err):
+			// StoreNewKey met a row of the key, committed by something that
+			// did not take the key's lock, or written by the function
+			// itself: nothing committed; retried as below, storing with
+			// StoreKey from now on (see attempt).
+			return nil, fmt.Errorf("%w: %w", errRetryClaim, errKeyRowExists)
+		case c == "40001" || c == "40P01":
 			// Nothing committed: the key was completed by another
 			// transaction after this one's snapshot (StoreKey; StoreNewKey
-			// reports it as a unique violation of the key's row), or the
+			// reports it as a unique violation of the key's row, above), or the
 			// COMMIT lost a serialization race. The next attempt replays
 			// or runs the function again.
 			return nil, errRetryClaim

@@ -1,0 +1,46 @@
+package idem_test
+
+import (
+	"context"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// attack1 (issue 11, StoreNewKey): a function that writes its own key's
+// row into idem_keys, expired (a hand-rolled reservation, a repair helper),
+// was stored over by StoreKey's ON CONFLICT, which takes an expired row
+// over: one run, 201. StoreNewKey's plain INSERT met that row with a unique
+// violation at every attempt (the row is the function's own, rolled back
+// with it, and written again by the next run), so the function ran again
+// and again until the wait ran out and the client was told the key was in
+// flight (409), which it never was. After a StoreNewKey met a row, the
+// request's next attempts store with StoreKey.
+func TestStoreNewKeyOverTheFunctionsOwnExpiredRow(t *testing.T) {
+	e := newEnv(t)
+	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+		_, err := tx.Exec(ctx, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+			VALUES ('test.charge', '', 'k-own', '\x00'::bytea, 201, '{}', '{"own":true}', now() - interval '1 second')
+			ON CONFLICT DO NOTHING`)
+		return err
+	}
+	h := e.handler(idem.Endpoint{Wait: 2 * time.Second})
+	r := do(h, "k-own", body1)
+	if r.status != http.StatusCreated || e.effects() != 1 {
+		t.Fatalf("answer %d %s with %d effects (function ran %d times), want 201 and one effect",
+			r.status, r.body, e.effects(), e.calls.Load())
+	}
+	if n := e.calls.Load(); n > 2 {
+		t.Fatalf("function ran %d times, want at most 2 (StoreNewKey's, then StoreKey's)", n)
+	}
+	if r := do(h, "k-own", body1); r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("second request: %d replayed=%q, want the replay", r.status, r.header.Get("Idempotent-Replayed"))
+	}
+	if e.effects() != 1 {
+		t.Fatalf("%d effects after the replay, want 1", e.effects())
+	}
+}
