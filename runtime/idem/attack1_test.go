@@ -3,11 +3,13 @@ package idem_test
 import (
 	"context"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
@@ -42,5 +44,41 @@ func TestStoreNewKeyOverTheFunctionsOwnExpiredRow(t *testing.T) {
 	}
 	if e.effects() != 1 {
 		t.Fatalf("%d effects after the replay, want 1", e.effects())
+	}
+}
+
+// attack1 (issue 11, StoreNewKey): the unique violation that means "the
+// key's row was written elsewhere" was recognised by the constraint's name,
+// idem_keys_pkey, which is only PostgreSQL's default: an idem_keys created
+// again after an earlier one was renamed aside (a manual repair keeping the
+// old table: its index keeps the name) has its primary key named
+// idem_keys_pkey1. A row completed elsewhere then answered the client with
+// a failure where StoreKey's ON CONFLICT (which names no constraint) led to
+// the replay (here the key's other request: 422).
+func TestStoreNewKeyConflictWhateverThePrimaryKeyIsNamed(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	pgtest.Exec(t, e.pool, `ALTER TABLE idem_keys RENAME TO idem_keys_aside`)
+	pgtest.Exec(t, e.pool, `CREATE TABLE idem_keys (LIKE idem_keys_aside INCLUDING ALL)`)
+	var name string
+	if err := e.pool.QueryRow(ctx, `SELECT conname FROM pg_constraint WHERE conrelid = 'idem_keys'::regclass AND contype = 'p'`).Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	if name == "idem_keys_pkey" {
+		t.Fatalf("primary key named %s: the test needs another name", name)
+	}
+	var once sync.Once
+	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
+		once.Do(func() {
+			pgtest.Exec(t, e.pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+				VALUES ('test.charge', '', 'k-renamed', '\x00'::bytea, 201, '{}', '{"elsewhere":true}', now() + interval '1 hour')`)
+		})
+		return nil
+	}
+	h := e.handler(idem.Endpoint{Wait: 2 * time.Second})
+	r := do(h, "k-renamed", body1)
+	if r.status != http.StatusUnprocessableEntity || e.effects() != 0 {
+		t.Fatalf("answer %d %s with %d effects (primary key %s), want 422 (the row written elsewhere) and none",
+			r.status, r.body, e.effects(), name)
 	}
 }

@@ -956,11 +956,16 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	return err
 }
 
-// keyRowConflict reports a unique violation of idem_keys' primary key: the
-// key's row, which StoreNewKey found written by another transaction.
+// keyRowConflict reports a unique violation in idem_keys: the key's row,
+// which StoreNewKey found written by another transaction (or by the
+// function). The table is checked, not the constraint's name:
+// idem_keys_pkey is only PostgreSQL's default, and an idem_keys made again
+// beside an older one renamed aside (whose index keeps that name) has
+// idem_keys_pkey1. StoreNewKey inserts into idem_keys only, so its unique
+// violations are idem_keys' unless a trigger of the user's writes elsewhere.
 func keyRowConflict(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.ConstraintName == "idem_keys_pkey"
+	return errors.As(err, &pgErr) && pgErr.TableName == "idem_keys"
 }
 
 // notClaimingTx is in the message of StoreKey's failure when it runs in
