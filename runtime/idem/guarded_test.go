@@ -1,9 +1,11 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"runtime"
+	"runtime/pprof"
 	"strings"
 	"sync"
 	"testing"
@@ -32,7 +34,7 @@ func TestGuardedReusesWorkersSafely(t *testing.T) {
 		}
 	}
 	var wg sync.WaitGroup
-	errs := make([]error, 4*maxIdleGuardWorkers)
+	errs := make([]error, 256)
 	for i := range errs {
 		wg.Go(func() {
 			want := errors.New("call")
@@ -49,42 +51,58 @@ func TestGuardedReusesWorkersSafely(t *testing.T) {
 	}
 }
 
-// A guarded call runs on the goroutine of the call before it (the point of
-// guardWorker: no goroutine started, no stack grown again), once that one
-// is back among the idle workers.
-func TestGuardedRunsOnTheSameGoroutineAgain(t *testing.T) {
-	goroutine := func() string {
-		var id string
-		_ = guarded(context.Background(), "test", func() error {
-			b := make([]byte, 64)
-			id = strings.Fields(string(b[:runtime.Stack(b, false)]))[1] // "goroutine N [running]:"
-			return nil
+// A guarded call runs on a worker left waiting by an earlier call (the
+// point of guardWorker: no goroutine started, no stack grown again).
+func TestGuardedRunsOnAWaitingWorker(t *testing.T) {
+	_ = guarded(context.Background(), "test", func() error { return nil })
+	waitIdleGuardWorker(t)
+	before := guardWorkerGoroutines(t)
+	_ = guarded(context.Background(), "test", func() error {
+		if now := guardWorkerGoroutines(t); now != before {
+			t.Errorf("%d guard workers while the call runs, %d before it: a new one was started", now, before)
+		}
+		return nil
+	})
+}
+
+// Workers end once no call has come for guardIdleTTL: none is left behind
+// after the last consumer stopped, for a goroutine-leak check to report.
+// They used to wait forever (up to 64 of them).
+func TestGuardWorkersEndWhenIdle(t *testing.T) {
+	ttl := guardIdleTTL.Swap(int64(50 * time.Millisecond))
+	defer guardIdleTTL.Store(ttl)
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Go(func() {
+			_ = guarded(context.Background(), "test", func() error { time.Sleep(10 * time.Millisecond); return nil })
 		})
-		return id
 	}
-	// Workers left idle by earlier calls are set aside, so that the one
-	// waiting after the first call is the only one.
-	var aside []chan *guardJob
-	for len(idleGuardWorkers) > 0 {
-		aside = append(aside, <-idleGuardWorkers)
+	wg.Wait()
+	if n := guardWorkerGoroutines(t); n == 0 {
+		t.Fatal("no guard worker right after 16 calls at once")
 	}
-	defer func() {
-		for _, w := range aside {
-			select {
-			case idleGuardWorkers <- w:
-			default:
-			}
-		}
-	}()
-	first := goroutine()
 	deadline := time.Now().Add(5 * time.Second)
-	for len(idleGuardWorkers) == 0 {
+	for guardWorkerGoroutines(t) > 0 {
 		if time.Now().After(deadline) {
-			t.Fatal("no idle guard worker 5s after a call")
+			t.Fatalf("%d guard workers still there 5s after the last call", guardWorkerGoroutines(t))
 		}
-		time.Sleep(time.Millisecond)
+		time.Sleep(10 * time.Millisecond)
 	}
-	if again := goroutine(); again != first {
-		t.Fatalf("second call on goroutine %s, the first on %s", again, first)
+}
+
+// guardWorkerGoroutines counts the goroutines running guardWorker, from
+// the goroutine profile.
+func guardWorkerGoroutines(t *testing.T) int {
+	t.Helper()
+	var buf bytes.Buffer
+	if err := pprof.Lookup("goroutine").WriteTo(&buf, 2); err != nil {
+		t.Fatal(err)
 	}
+	n := 0
+	for _, g := range strings.Split(buf.String(), "\n\n") {
+		if strings.Contains(g, "idem.guardWorker(") {
+			n++
+		}
+	}
+	return n
 }
