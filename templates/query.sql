@@ -61,11 +61,15 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM idem_keys k
 -- Locks the key's row when it has expired and this transaction holds the
 -- key's advisory lock (taken by ClaimKey; trying it again is a no-op for its
 -- holder): the row is taken over, and StoreKey replaces it at completion
--- without waiting. Any wait is here, on a row lock held by something else
--- (a purge deleting the expired row), bounded by the claim's lock_timeout;
--- a purge that deleted the row leaves nothing to lock, and StoreKey
--- inserts. A live row is only read (the CASE tries the lock for an expired
--- row only, and a row that fails the WHERE is not locked).
+-- without waiting. It is sent only after a claim whose GetKey saw an expired
+-- row (the rare reuse of a key after its TTL), in a round trip of its own
+-- before the function runs, between SetLockTimeout and RestoreLockTimeout:
+-- the common claim locks no row (a FOR UPDATE costs the backend CPU even
+-- when there is no row). Any wait is here, on a row lock held by something
+-- else (a purge deleting the expired row), bounded by what is left of the
+-- claim's lock_timeout; a purge that deleted the row leaves nothing to lock,
+-- and StoreKey inserts. A live row is only read (the CASE tries the lock for
+-- an expired row only, and a row that fails the WHERE is not locked).
 SELECT 1 FROM idem_keys
 WHERE scope = @scope AND principal = @principal AND key = @key
   AND CASE WHEN expires_at <= now() THEN pg_try_advisory_xact_lock(@lock_id::bigint # 'idem_keys'::regclass::oid::bigint) ELSE false END

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -585,5 +586,63 @@ func TestNoWaitConcurrentReplaysAreNot409(t *testing.T) {
 		if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" || !bytes.Equal(r.body, first.body) {
 			t.Fatalf("replay %d: %d %s", i, r.status, r.body)
 		}
+	}
+}
+
+// Issue 11: the takeover of an expired row locks it in a round trip of its
+// own after the claim's; a broken connection there is the claim's broken
+// connection: nothing has committed, so the claim is begun again on another
+// connection, within the wait, and the function runs once. Here the session
+// waiting for the row (held by a purge) is terminated; the claim retried
+// waits for the row again and takes it over once the purge is gone.
+func TestTakeoverLockConnectionLostIsRetried(t *testing.T) {
+	app := "idem-takeover-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
+	e := newEnvPool(t, pool)
+	h := e.handler(idem.Endpoint{Wait: 10 * time.Second})
+	if r := do(h, "k-takeover", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	pgtest.Exec(t, pool, `UPDATE idem_keys SET expires_at = now() - interval '1 second'`)
+	admin := pgtest.Pool(t)
+	release := lockTable(t, pool, `SELECT 1 FROM idem_keys WHERE key = 'k-takeover' FOR UPDATE`)
+	done := make(chan result, 1)
+	go func() { done <- do(h, "k-takeover", body1) }()
+	// waiting is the backend of this test's pool waiting for the row lock
+	// in LockExpiredKey.
+	waiting := func() (pid int32) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for time.Now().Before(deadline) {
+			err := admin.QueryRow(context.Background(), `SELECT pid FROM pg_stat_activity
+				WHERE application_name = $1 AND wait_event_type = 'Lock' AND query LIKE '%name: LockExpiredKey%'`, app).Scan(&pid)
+			if err == nil {
+				return pid
+			}
+			if !errors.Is(err, pgx.ErrNoRows) {
+				t.Fatal(err)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		t.Fatal("no takeover waiting for the expired row")
+		return 0
+	}
+	first := waiting()
+	if _, err := admin.Exec(context.Background(), `SELECT pg_terminate_backend($1, 5000)`, first); err != nil {
+		t.Fatal(err)
+	}
+	if again := waiting(); again == first {
+		t.Fatalf("backend %d still waiting after its termination", first)
+	}
+	release()
+	r := <-done
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("takeover after a lost connection: %d %s, want the function's 201", r.status, r.body)
+	}
+	if n := e.calls.Load(); n != 2 {
+		t.Fatalf("function ran %d times, want 2 (the first request and the takeover)", n)
+	}
+	if r := do(h, "k-takeover", body1); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("after the takeover: %d %s, want a replay", r.status, r.body)
 	}
 }

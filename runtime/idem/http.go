@@ -684,7 +684,10 @@ type claimResult struct {
 // begin acquires a connection within deadline and begins a transaction on
 // it with the engine's settings. With claim, the claim runs in the same
 // round trip (the transaction's lock_timeout is the time left until
-// deadline, restored before the function runs) and its result is returned.
+// deadline, restored before the function runs) and its result is returned;
+// a claim that takes over an expired row locks it in one more round trip,
+// under what is left of that lock_timeout, and its failures (a lock_timeout,
+// a broken connection) are classified as the claim's own.
 // The caller releases conn after ending tx. Errors are classified:
 // errBusy (the wait ran out), errRetryClaim (a serialization conflict), or
 // a storage failure.
@@ -761,7 +764,8 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 
 // beginOn begins the transaction on conn and runs the claim, if any: in one
 // pipelined round trip, or in two when TxOptions has a custom BeginQuery
-// (which may hold several statements, see dbx.Pipelined). On error tx, when
+// (which may hold several statements, see dbx.Pipelined); the takeover of
+// an expired row adds one (dbx.BeginClaim). On error tx, when
 // not nil, is still to be rolled back.
 func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, claim *db.ClaimKeyParams) (tx pgx.Tx, c claimResult, err error) {
 	if dbx.Pipelined(h.txOptions) {
@@ -772,11 +776,16 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 		tx, c.claimed, c.found, c.row, err = dbx.BeginClaim(ctx, conn, h.txOptions, s, *claim)
 		return tx, c, err
 	}
+	start := time.Now()
 	tx, err = conn.BeginTx(ctx, dbx.BoundedBegin(h.txOptions, s.LockTimeout, s.ConnCheck, s.Idle))
 	if err != nil || claim == nil {
 		return tx, c, err
 	}
-	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), *claim)
+	lockTimeout := s.LockTimeout // what is left of it, for a takeover's row lock
+	if lockTimeout > 0 {
+		lockTimeout = max(lockTimeout-time.Since(start), time.Millisecond)
+	}
+	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), lockTimeout, *claim)
 	return tx, c, err
 }
 

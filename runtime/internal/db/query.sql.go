@@ -950,11 +950,15 @@ type LockExpiredKeyParams struct {
 // Locks the key's row when it has expired and this transaction holds the
 // key's advisory lock (taken by ClaimKey; trying it again is a no-op for its
 // holder): the row is taken over, and StoreKey replaces it at completion
-// without waiting. Any wait is here, on a row lock held by something else
-// (a purge deleting the expired row), bounded by the claim's lock_timeout;
-// a purge that deleted the row leaves nothing to lock, and StoreKey
-// inserts. A live row is only read (the CASE tries the lock for an expired
-// row only, and a row that fails the WHERE is not locked).
+// without waiting. It is sent only after a claim whose GetKey saw an expired
+// row (the rare reuse of a key after its TTL), in a round trip of its own
+// before the function runs, between SetLockTimeout and RestoreLockTimeout:
+// the common claim locks no row (a FOR UPDATE costs the backend CPU even
+// when there is no row). Any wait is here, on a row lock held by something
+// else (a purge deleting the expired row), bounded by what is left of the
+// claim's lock_timeout; a purge that deleted the row leaves nothing to lock,
+// and StoreKey inserts. A live row is only read (the CASE tries the lock for
+// an expired row only, and a row that fails the WHERE is not locked).
 func (q *Queries) LockExpiredKey(ctx context.Context, arg LockExpiredKeyParams) error {
 	_, err := q.db.Exec(ctx, LockExpiredKey,
 		arg.Scope,

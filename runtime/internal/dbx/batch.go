@@ -68,28 +68,38 @@ func beginSQL(opts pgx.TxOptions) string {
 	return b.String()
 }
 
-// ClaimKeyRestore runs ClaimKey, LockExpiredKey, GetKey and
-// RestoreLockTimeout in one pipelined round trip, inside a transaction begun with BoundedBegin, so
-// that the handler's own statements run with the session's lock_timeout
-// again. claimed reports that this transaction now holds the key (its
-// advisory lock) and that no live row answers it: the function is to run,
-// and StoreKey writes the row at completion (found then tells whether an
-// expired row is being taken over). Otherwise found reports whether row,
-// the key's row, exists: live, it is the stored response; absent or
-// expired, the key is in flight in another transaction. GetKey runs after
-// ClaimKey took the lock, so under read committed its fresh snapshot sees a
-// row committed by the lock's previous holder; under an older snapshot
-// rowCheck (SnapshotBeforeClaim) adds ClaimKeyRow, which fails with 40001
-// on such a row. For a live row (a replay) none of these statements writes
-// or locks anything.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
+// ClaimKeyRestore runs ClaimKey, GetKey, [ClaimKeyRow] and
+// RestoreLockTimeout in one pipelined round trip, inside a transaction begun
+// with BoundedBegin, so that the handler's own statements run with the
+// session's lock_timeout again. claimed reports that this transaction now
+// holds the key (its advisory lock) and that no live row answers it: the
+// function is to run, and StoreKey writes the row at completion (found then
+// tells whether an expired row is being taken over: such a row is locked
+// before ClaimKeyRestore returns, in a second round trip, lockTakenOver,
+// whose lock wait is bounded by what is left of lockTimeout, counted from
+// the call). Otherwise found reports whether row, the key's row, exists:
+// live, it is the stored response; absent or expired, the key is in flight
+// in another transaction. GetKey runs after ClaimKey took the lock, so under
+// read committed its fresh snapshot sees a row committed by the lock's
+// previous holder; under an older snapshot rowCheck (SnapshotBeforeClaim)
+// adds ClaimKeyRow, which fails with 40001 on such a row. For a live row (a
+// replay) none of these statements writes or locks anything, and neither
+// does a new key's claim before ClaimKeyRow.
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, lockTimeout time.Duration, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
+	start := time.Now()
 	b := &pgx.Batch{}
 	var locked bool
 	queueClaim(b, arg, rowCheck, &locked, &found, &row)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return false, false, db.GetKeyRow{}, err
 	}
-	return locked && !(found && row.Live), found, row, nil
+	claimed = locked && !(found && row.Live)
+	if claimed && found {
+		if err := lockTakenOver(ctx, tx, left(lockTimeout, start), arg); err != nil {
+			return false, false, db.GetKeyRow{}, err
+		}
+	}
+	return claimed, found, row, nil
 }
 
 // ErrCommit wraps the COMMIT's own failure in StoreKeyCommit and CheckedCommit,

@@ -66,20 +66,40 @@ func Begin(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings) 
 
 // BeginClaim begins a transaction on conn with the settings s and runs the
 // claim of ClaimKeyRestore in the same round trip: BEGIN, the settings,
-// ClaimKey, LockExpiredKey, GetKey and RestoreLockTimeout are pipelined, so a replay is
-// answered after one round trip and a first request's function runs after
-// one. opts must be Pipelined. The results are as ClaimKeyRestore's; on
-// error the returned transaction, when not nil, must still be rolled back,
-// as Begin's.
+// ClaimKey, GetKey, [ClaimKeyRow] and RestoreLockTimeout are pipelined, so a
+// replay is answered after one round trip and a first request's function
+// runs after one. Only the rare claim that takes over an expired row costs
+// a second round trip, lockTakenOver, bounded by what is left of
+// s.LockTimeout. opts must be Pipelined. The results are as
+// ClaimKeyRestore's; on error the returned transaction, when not nil, must
+// still be rolled back, as Begin's.
 func BeginClaim(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings, arg db.ClaimKeyParams) (tx pgx.Tx, claimed, found bool, row db.GetKeyRow, err error) {
+	start := time.Now()
 	b := &pgx.Batch{}
 	queueBegin(b, opts, s)
-	queueClaim(b, arg, SnapshotBeforeClaim(opts), &claimed, &found, &row)
+	var locked bool
+	queueClaim(b, arg, SnapshotBeforeClaim(opts), &locked, &found, &row)
 	br := conn.SendBatch(ctx, b)
 	if err := br.Close(); err != nil {
 		return br.Tx(), false, false, db.GetKeyRow{}, err
 	}
-	return br.Tx(), claimed && !(found && row.Live), found, row, nil
+	tx = br.Tx()
+	claimed = locked && !(found && row.Live)
+	if claimed && found {
+		if err := lockTakenOver(ctx, tx, left(s.LockTimeout, start), arg); err != nil {
+			return tx, false, false, db.GetKeyRow{}, err
+		}
+	}
+	return tx, claimed, found, row, nil
+}
+
+// left is what remains of the bound d, counted from start, at least 1ms (0
+// would mean "no limit"); 0 when d is 0 (no bound: the session's applies).
+func left(d time.Duration, start time.Time) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return max(d-time.Since(start), time.Millisecond)
 }
 
 // SnapshotBeforeClaim reports whether a transaction begun with opts reads
@@ -99,12 +119,13 @@ func SnapshotBeforeClaim(opts pgx.TxOptions) bool {
 // read. The caller's claim is locked && !(found && row.Live): a live row
 // GetKey sees is the key's answer even when the lock was free (it was
 // completed between ClaimKey's snapshot and the lock). With rowCheck
-// (SnapshotBeforeClaim), ClaimKeyRow follows GetKey.
+// (SnapshotBeforeClaim), ClaimKeyRow follows GetKey. No statement here locks
+// a row: a claim that takes over an expired row locks it next, in a round
+// trip of its own (lockTakenOver).
 func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, found *bool, row *db.GetKeyRow) {
 	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.LockID).QueryRow(func(r pgx.Row) error {
 		return r.Scan(locked)
 	})
-	b.Queue(db.LockExpiredKey, arg.Scope, arg.Principal, arg.Key, arg.LockID)
 	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
 		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -117,4 +138,27 @@ func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, foun
 		b.Queue(db.ClaimKeyRow, arg.Scope, arg.Principal, arg.Key, arg.LockID)
 	}
 	b.Queue(db.RestoreLockTimeout)
+}
+
+// lockTakenOver locks the expired row of the key this transaction claimed
+// (LockExpiredKey), in one round trip sent only for such a takeover, the
+// rare reuse of a key after its TTL: the function must not start before
+// the row is locked, or StoreKey, replacing the row at completion, could
+// wait on a row lock held elsewhere (a purge deleting the expired row) with
+// no bound but the session's. Here the wait is bounded by lockTimeout, set
+// with SetLockTimeout before and put back with RestoreLockTimeout after,
+// all pipelined; a lock_timeout (55P03) fails the claim as one in the
+// claim's own round trip does. A purge that deleted the row in between
+// leaves nothing to lock, and StoreKey inserts. With lockTimeout 0 the
+// session's lock_timeout applies, as it did to the claim.
+func lockTakenOver(ctx context.Context, tx pgx.Tx, lockTimeout time.Duration, arg db.ClaimKeyParams) error {
+	b := &pgx.Batch{}
+	if lockTimeout > 0 {
+		b.Queue(db.SetLockTimeout, ms(lockTimeout))
+	}
+	b.Queue(db.LockExpiredKey, arg.Scope, arg.Principal, arg.Key, arg.LockID)
+	if lockTimeout > 0 {
+		b.Queue(db.RestoreLockTimeout)
+	}
+	return tx.SendBatch(ctx, b).Close()
 }
