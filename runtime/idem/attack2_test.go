@@ -1,0 +1,459 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// attack2 (issue 11, lockoff): attacks on the takeover of an expired key,
+// which now locks the row in a round trip of its own after the claim's.
+
+// a2Pool is a pool on a fresh schema whose sessions carry application_name
+// app (to find their backends) and the session lock_timeout 4321ms (so that
+// a lock_timeout left by the claim, or lost, is seen).
+func a2Pool(t *testing.T) (*pgxpool.Pool, string) {
+	app := "idem-a2-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["application_name"] = app
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "4321ms"
+	})
+	return pool, app
+}
+
+// a2Waiting returns the pid of app's backend waiting for a lock in
+// LockExpiredKey, waiting up to 5s for one.
+func a2Waiting(t *testing.T, admin *pgxpool.Pool, app string) int32 {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		var pid int32
+		err := admin.QueryRow(context.Background(), `SELECT pid FROM pg_stat_activity
+			WHERE application_name = $1 AND wait_event_type = 'Lock' AND query LIKE '%name: LockExpiredKey%'`, app).Scan(&pid)
+		if err == nil {
+			return pid
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Fatal("no takeover waiting for the expired row")
+	return 0
+}
+
+// a2WaitingAny waits up to 5s for a backend of app waiting for a lock (in
+// LockExpiredKey, or under repeatable read and a custom BeginQuery in
+// ClaimKeyRow, whose INSERT waits for the purge's DELETE).
+func a2WaitingAny(t *testing.T, admin *pgxpool.Pool, app string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		if pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'`, app) > 0 {
+			return
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Fatal("no claim waiting for the expired row")
+}
+
+// a2Purge runs the janitor's DELETE of expired keys in a transaction of its
+// own on a separate connection and leaves it open: it holds the expired
+// rows' locks. It returns the backend's pid and a function ending it.
+func a2Purge(t *testing.T, pool *pgxpool.Pool) (pid int32, end func(commit bool)) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	tag, err := tx.Exec(ctx, `DELETE FROM idem_keys WHERE (scope, principal, key) IN (
+		SELECT k.scope, k.principal, k.key FROM idem_keys k WHERE k.expires_at <= now()
+		ORDER BY k.expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED)`)
+	if err != nil || tag.RowsAffected() == 0 {
+		t.Fatalf("purge: %v, %d rows", err, tag.RowsAffected())
+	}
+	var once sync.Once
+	end = func(commit bool) {
+		once.Do(func() {
+			_ = syscall.Kill(int(pid), syscall.SIGCONT)
+			if commit {
+				_ = tx.Commit(ctx)
+			} else {
+				_ = tx.Rollback(ctx)
+			}
+			conn.Release()
+		})
+	}
+	t.Cleanup(func() { end(false) })
+	return pid, end
+}
+
+func a2Expire(t *testing.T, pool *pgxpool.Pool) {
+	pgtest.Exec(t, pool, `UPDATE idem_keys SET expires_at = now() - interval '1 second'`)
+}
+
+// A purge frozen (SIGSTOP) while it holds the expired row: the takeover
+// answers 503 within the wait (plus the 1s slack), the function does not
+// run, and once the purge is gone the key is taken over (or new) and run
+// once.
+func TestAttack2FrozenPurgeHoldingTheExpiredRow(t *testing.T) {
+	pool, _ := a2Pool(t)
+	e := newEnvPool(t, pool)
+	const wait = 400 * time.Millisecond
+	h := e.handler(idem.Endpoint{Wait: wait})
+	if r := do(h, "k", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	a2Expire(t, pool)
+	pid, end := a2Purge(t, pool)
+	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
+		t.Skipf("cannot stop the purge's backend %d: %v", pid, err)
+	}
+	for i := range 3 {
+		start := time.Now()
+		r := do(h, "k", body1)
+		took := time.Since(start)
+		if r.status != http.StatusServiceUnavailable {
+			t.Fatalf("try %d with the purge frozen: %d %s, want 503", i, r.status, r.body)
+		}
+		if took > wait+time.Second {
+			t.Fatalf("try %d answered after %v, beyond the wait %v + 1s", i, took, wait)
+		}
+		if n := e.calls.Load(); n != 1 {
+			t.Fatalf("function ran %d times with the row held, want 1", n)
+		}
+	}
+	end(true)
+	if r := do(h, "k", body1); r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("after the purge: %d %s", r.status, r.body)
+	}
+	if n := e.calls.Load(); n != 2 {
+		t.Fatalf("function ran %d times, want 2", n)
+	}
+	if r := do(h, "k", body1); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("then: %d %s, want a replay", r.status, r.body)
+	}
+}
+
+// The takeover's own backend frozen (SIGSTOP) while it waits for the row:
+// its lock_timeout cannot fire; the client still answers 503 within the
+// wait plus the slack, and nothing runs.
+func TestAttack2TakeoverBackendFrozen(t *testing.T) {
+	pool, app := a2Pool(t)
+	e := newEnvPool(t, pool)
+	const wait = 500 * time.Millisecond
+	h := e.handler(idem.Endpoint{Wait: wait})
+	if r := do(h, "k", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	a2Expire(t, pool)
+	_, end := a2Purge(t, pool)
+	admin := pgtest.Pool(t)
+	done := make(chan result, 1)
+	start := time.Now()
+	go func() { done <- do(h, "k", body1) }()
+	pid := a2Waiting(t, admin, app)
+	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
+		t.Skipf("cannot stop backend %d: %v", pid, err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(int(pid), syscall.SIGCONT) })
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(wait + 3*time.Second):
+		_ = syscall.Kill(int(pid), syscall.SIGCONT)
+		t.Fatalf("no answer %v after the request, wait %v", time.Since(start), wait)
+	}
+	took := time.Since(start)
+	_ = syscall.Kill(int(pid), syscall.SIGCONT)
+	if r.status != http.StatusServiceUnavailable || took > wait+time.Second+200*time.Millisecond {
+		t.Fatalf("frozen takeover: %d %s after %v, want 503 within %v+1s", r.status, r.body, took, wait)
+	}
+	end(false)
+	if n := e.calls.Load(); n != 1 {
+		t.Fatalf("function ran %d times, want 1", n)
+	}
+}
+
+// The client cancels while the takeover waits for the row: the answer is
+// the cancellation's ("request cancelled"), promptly, nothing runs or
+// commits, and the backend stops waiting.
+func TestAttack2CancelDuringTakeover(t *testing.T) {
+	pool, app := a2Pool(t)
+	e := newEnvPool(t, pool)
+	h := e.handler(idem.Endpoint{Wait: 10 * time.Second})
+	if r := do(h, "k", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	a2Expire(t, pool)
+	_, end := a2Purge(t, pool)
+	admin := pgtest.Pool(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan result, 1)
+	go func() { done <- doCtx(ctx, h, "k", body1) }()
+	a2Waiting(t, admin, app)
+	cancelled := time.Now()
+	cancel()
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(3 * time.Second):
+		t.Fatal("no answer 3s after the cancellation")
+	}
+	if d := time.Since(cancelled); d > time.Second {
+		t.Errorf("answered %v after the cancellation", d)
+	}
+	var p struct{ Detail string }
+	_ = json.Unmarshal(r.body, &p)
+	if r.status != http.StatusServiceUnavailable || p.Detail != "request cancelled; nothing was done" {
+		t.Fatalf("cancelled takeover: %d %s, want the cancellation's answer", r.status, r.body)
+	}
+	end(false)
+	if n := e.calls.Load(); n != 1 {
+		t.Fatalf("function ran %d times, want 1", n)
+	}
+	if n := e.effects(); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
+	if n := pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'`, app); n != 0 {
+		t.Fatalf("%d backends still waiting for a lock after the cancellation", n)
+	}
+}
+
+// a2Modes are the ways a claim is begun.
+var a2Modes = []struct {
+	name string
+	opts pgx.TxOptions
+}{
+	{"read committed", pgx.TxOptions{}},
+	{"repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}},
+	{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}},
+	{"custom BeginQuery", pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL READ COMMITTED"}},
+}
+
+// The function sees the session's lock_timeout (4321ms) on every path: a
+// new key, a takeover, a takeover that waited for a purge to let go of the
+// row, and one whose purge deleted the row. After a takeover that timed out
+// (503), no pooled session keeps the claim's lock_timeout.
+func TestAttack2FunctionSeesSessionLockTimeout(t *testing.T) {
+	for _, m := range a2Modes {
+		t.Run(m.name, func(t *testing.T) {
+			pool, app := a2Pool(t)
+			e := newEnvPool(t, pool)
+			e.cfg.TxOptions = m.opts
+			var seen sync.Map
+			e.hook = func(ctx context.Context, tx pgx.Tx, req chargeReq) error {
+				var lt string
+				if err := tx.QueryRow(ctx, `SHOW lock_timeout`).Scan(&lt); err != nil {
+					return err
+				}
+				seen.Store(req.Order, lt)
+				return nil
+			}
+			h := e.handler(idem.Endpoint{Wait: 2 * time.Second})
+			check := func(step string) {
+				t.Helper()
+				v, ok := seen.LoadAndDelete("o-1")
+				if !ok {
+					t.Fatalf("%s: the function did not run", step)
+				}
+				if v != "4321ms" {
+					t.Fatalf("%s: the function saw lock_timeout %v, want the session's 4321ms", step, v)
+				}
+			}
+			if r := do(h, "k", body1); r.status != http.StatusCreated {
+				t.Fatalf("new: %d %s", r.status, r.body)
+			}
+			check("new key")
+			a2Expire(t, pool)
+			if r := do(h, "k", body1); r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+				t.Fatalf("takeover: %d %s", r.status, r.body)
+			}
+			check("takeover")
+			admin := pgtest.Pool(t)
+			for _, commit := range []bool{false, true} {
+				a2Expire(t, pool)
+				_, end := a2Purge(t, pool)
+				done := make(chan result, 1)
+				go func() { done <- do(h, "k", body1) }()
+				a2WaitingAny(t, admin, app)
+				end(commit)
+				if r := <-done; r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+					t.Fatalf("takeover after a purge (commit %v): %d %s", commit, r.status, r.body)
+				}
+				check(fmt.Sprintf("takeover after a purge (commit %v)", commit))
+			}
+			// A takeover timing out on a held row: then every pooled
+			// session has the session's lock_timeout.
+			a2Expire(t, pool)
+			_, end := a2Purge(t, pool)
+			short := e.handler(idem.Endpoint{Wait: 200 * time.Millisecond})
+			if r := do(short, "k", body1); r.status != http.StatusServiceUnavailable {
+				t.Fatalf("held row: %d %s, want 503", r.status, r.body)
+			}
+			end(false)
+			conns := make([]*pgxpool.Conn, 0, 4)
+			for range 4 {
+				c, err := pool.Acquire(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				conns = append(conns, c)
+				var lt, saved string
+				if err := c.QueryRow(context.Background(), `SELECT current_setting('lock_timeout'), coalesce(current_setting('idem.saved_lock_timeout', true), '')`).Scan(&lt, &saved); err != nil {
+					t.Fatal(err)
+				}
+				if lt != "4321ms" || saved != "" {
+					t.Fatalf("a pooled session after the 503: lock_timeout %q, idem.saved_lock_timeout %q", lt, saved)
+				}
+			}
+			for _, c := range conns {
+				c.Release()
+			}
+		})
+	}
+}
+
+// TTL storms: many clients on one key whose TTL is 1ms, so nearly every
+// request takes the previous one's row over, while a purge deletes expired
+// rows in a loop. Every fresh 201 is exactly one committed effect, every
+// replay names a committed effect, and nothing is a 500.
+func TestAttack2TTLStormWithPurge(t *testing.T) {
+	for _, m := range a2Modes {
+		t.Run(m.name, func(t *testing.T) { a2Storm(t, m.opts, false) })
+		t.Run(m.name+" with backends killed", func(t *testing.T) { a2Storm(t, m.opts, true) })
+	}
+}
+
+// a2Storm is one TTL storm; kill: a loop terminates the clients' backends
+// at random (their answers may then be 503, "Outcome unknown" included).
+func a2Storm(t *testing.T, opts pgx.TxOptions, kill bool) {
+	{
+		{
+			m := struct{ opts pgx.TxOptions }{opts}
+			pool, app := a2Pool(t)
+			e := newEnvPool(t, pool)
+			e.cfg.TxOptions = m.opts
+			stop := make(chan struct{})
+			var purged atomic.Int64
+			var pw sync.WaitGroup
+			pw.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					tag, err := pool.Exec(context.Background(), `DELETE FROM idem_keys WHERE (scope, principal, key) IN (
+						SELECT k.scope, k.principal, k.key FROM idem_keys k WHERE k.expires_at <= now()
+						ORDER BY k.expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED)`)
+					if err == nil {
+						purged.Add(tag.RowsAffected())
+					}
+				}
+			})
+			unknown := 0
+			if kill {
+				admin := pgtest.Pool(t)
+				pw.Go(func() {
+					for {
+						select {
+						case <-stop:
+							return
+						case <-time.After(15 * time.Millisecond):
+						}
+						_, _ = admin.Exec(context.Background(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+							WHERE application_name = $1 AND state <> 'idle' ORDER BY random() LIMIT 1`, app)
+					}
+				})
+			}
+			var mu sync.Mutex
+			statuses := map[int]int{}
+			fresh := map[int64]int{}
+			replayed := map[int64]int{}
+			var bad []string
+			var wg sync.WaitGroup
+			for c := range 12 {
+				// Each client is its own engine (a replica): duplicates meet
+				// in the database, not in one process's turn.
+				h := e.handler(idem.Endpoint{Wait: 2 * time.Second, TTL: time.Millisecond})
+				wg.Go(func() {
+					for range 40 {
+						r := do(h, "storm", body1)
+						mu.Lock()
+						statuses[r.status]++
+						if r.status == http.StatusCreated {
+							var rc receipt
+							if err := json.Unmarshal(r.body, &rc); err != nil {
+								bad = append(bad, fmt.Sprintf("client %d: body %s", c, r.body))
+							} else if r.header.Get("Idempotent-Replayed") == "true" {
+								replayed[rc.ID]++
+							} else {
+								fresh[rc.ID]++
+							}
+						} else if r.status != http.StatusConflict && r.status != http.StatusServiceUnavailable {
+							bad = append(bad, fmt.Sprintf("client %d: %d %s", c, r.status, r.body))
+						} else if r.status == http.StatusServiceUnavailable {
+							if strings.Contains(string(r.body), "Outcome unknown") {
+								unknown++
+							}
+							bad = append(bad, fmt.Sprintf("(503) %s", r.body))
+						}
+						mu.Unlock()
+					}
+				})
+			}
+			wg.Wait()
+			close(stop)
+			pw.Wait()
+			t.Logf("statuses %v, fresh %d, replayed ids %d, calls %d, purged %d", statuses, len(fresh), len(replayed), e.calls.Load(), purged.Load())
+			logged := 0
+			for _, b := range bad {
+				if b[0] != '(' {
+					t.Error(b)
+				} else if logged < 5 {
+					logged++
+					t.Log(b)
+				}
+			}
+			effects := e.effects()
+			if int64(len(fresh)) > effects || int64(len(fresh)+unknown) < effects {
+				t.Errorf("%d fresh 201s (%d outcomes unknown), %d effects committed", len(fresh), unknown, effects)
+			}
+			for id, n := range fresh {
+				if n != 1 {
+					t.Errorf("effect %d answered fresh %d times", id, n)
+				}
+			}
+			for id := range replayed {
+				if pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE id = $1`, id) != 1 {
+					t.Errorf("replay of effect %d, which did not commit", id)
+				}
+			}
+		}
+	}
+}
+
