@@ -457,3 +457,37 @@ func a2Storm(t *testing.T, opts pgx.TxOptions, kill bool) {
 	}
 }
 
+// Issue 9.4's rule (only the same key in flight is a 409; a purge holding
+// an expired row is a 503 with Retry-After) after a poll: the key was in
+// flight on another replica, the request polled, the other replica let go
+// of it, and the next claim takes the expired row over but a purge holds
+// that row until the wait runs out. Nothing is in flight any more.
+func TestAttack2PolledTakeoverBlockedByPurgeIs503(t *testing.T) {
+	pool, app := a2Pool(t)
+	e := newEnvPool(t, pool)
+	const wait = 600 * time.Millisecond
+	h := e.handler(idem.Endpoint{Wait: wait})
+	if r := do(h, "k-polled", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	a2Expire(t, pool)
+	lockID := idem.LockID(idem.Key{Scope: "test.charge", Key: "k-polled"})
+	// Another replica holds the key (its advisory lock).
+	other := lockTable(t, pool, `SELECT pg_advisory_xact_lock(`+strconv.FormatInt(lockID, 10)+` # 'idem_keys'::regclass::oid::bigint)`)
+	_, end := a2Purge(t, pool)
+	admin := pgtest.Pool(t)
+	done := make(chan result, 1)
+	go func() { done <- do(h, "k-polled", body1) }()
+	time.Sleep(100 * time.Millisecond) // polling: the key is in flight elsewhere
+	other()
+	a2Waiting(t, admin, app) // the next poll claimed it and waits for the purge's row
+	r := <-done
+	end(false)
+	if e.calls.Load() != 1 {
+		t.Fatalf("function ran %d times, want 1", e.calls.Load())
+	}
+	wantProblem(t, r, http.StatusServiceUnavailable)
+	if r.header.Get("Retry-After") == "" {
+		t.Fatal("503 without Retry-After")
+	}
+}

@@ -603,8 +603,13 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 			}
 		case errors.Is(err, errRetryClaim):
 			rowSeen = rowSeen || errors.Is(err, errKeyRowExists)
-		case polled && errors.Is(err, errBusy) && !time.Now().Before(deadline):
+		case polled && errors.Is(err, errBusy) && pgCode(err) != "55P03" && !time.Now().Before(deadline):
 			// The wait ran out during a poll for a key in flight elsewhere.
+			// Not a lock_timeout (55P03): the claim never waits for the
+			// key's own lock, so such a wait was for another one (a purge
+			// holding the expired row this claim took over, a table lock),
+			// and the key, claimed by this request, is not in flight: a 503,
+			// as on the first attempt.
 			return nil, errInFlight
 		default:
 			return out, err
