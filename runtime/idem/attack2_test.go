@@ -491,3 +491,44 @@ func TestAttack2PolledTakeoverBlockedByPurgeIs503(t *testing.T) {
 		t.Fatal("503 without Retry-After")
 	}
 }
+
+// The takeover's backend terminated while it waits for the expired row
+// (held FOR UPDATE by another session), under every isolation level and a
+// custom BeginQuery: the claim is begun again on another connection, and
+// once the row is free the function runs once.
+func TestAttack2TakeoverConnectionKilledEveryMode(t *testing.T) {
+	for _, m := range a2Modes {
+		t.Run(m.name, func(t *testing.T) {
+			pool, app := a2Pool(t)
+			e := newEnvPool(t, pool)
+			e.cfg.TxOptions = m.opts
+			h := e.handler(idem.Endpoint{Wait: 10 * time.Second})
+			if r := do(h, "k", body1); r.status != http.StatusCreated {
+				t.Fatalf("first: %d %s", r.status, r.body)
+			}
+			a2Expire(t, pool)
+			release := lockTable(t, pool, `SELECT 1 FROM idem_keys WHERE key = 'k' FOR UPDATE`)
+			admin := pgtest.Pool(t)
+			done := make(chan result, 1)
+			go func() { done <- do(h, "k", body1) }()
+			first := a2Waiting(t, admin, app)
+			if _, err := admin.Exec(context.Background(), `SELECT pg_terminate_backend($1, 5000)`, first); err != nil {
+				t.Fatal(err)
+			}
+			if again := a2Waiting(t, admin, app); again == first {
+				t.Fatalf("backend %d still waiting after its termination", first)
+			}
+			release()
+			r := <-done
+			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+				t.Fatalf("takeover after a lost connection: %d %s", r.status, r.body)
+			}
+			if n := e.calls.Load(); n != 2 {
+				t.Fatalf("function ran %d times, want 2", n)
+			}
+			if r := do(h, "k", body1); r.header.Get("Idempotent-Replayed") != "true" {
+				t.Fatalf("then: %d %s, want a replay", r.status, r.body)
+			}
+		})
+	}
+}
