@@ -100,7 +100,9 @@ func a2Purge(t *testing.T, pool *pgxpool.Pool) (pid int32, end func(commit bool)
 		once.Do(func() {
 			_ = syscall.Kill(int(pid), syscall.SIGCONT)
 			if commit {
-				_ = tx.Commit(ctx)
+				if err := tx.Commit(ctx); err != nil {
+					t.Errorf("purge commit: %v", err)
+				}
 			} else {
 				_ = tx.Rollback(ctx)
 			}
