@@ -534,3 +534,30 @@ func TestAttack2TakeoverConnectionKilledEveryMode(t *testing.T) {
 		})
 	}
 }
+
+// A table lock in EXCLUSIVE mode (it lets the claim's SELECTs through but
+// not a FOR UPDATE) taken before a takeover on a connection that never
+// took a key over: the answer is a 503 within the wait plus the slack, and
+// the function does not run.
+func TestAttack2TakeoverBlockedByExclusiveTableLock(t *testing.T) {
+	pool, _ := a2Pool(t)
+	e := newEnvPool(t, pool)
+	const wait = 400 * time.Millisecond
+	h := e.handler(idem.Endpoint{Wait: wait})
+	if r := do(h, "k", body1); r.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	a2Expire(t, pool)
+	table := lockTable(t, pool, `LOCK TABLE idem_keys IN EXCLUSIVE MODE`)
+	start := time.Now()
+	r := do(h, "k", body1)
+	took := time.Since(start)
+	table()
+	t.Logf("answered %d after %v (wait %v): %s", r.status, took, wait, r.body)
+	if r.status != http.StatusServiceUnavailable || took > wait+time.Second+200*time.Millisecond {
+		t.Fatalf("takeover behind an EXCLUSIVE table lock: %d after %v", r.status, took)
+	}
+	if e.calls.Load() != 1 {
+		t.Fatalf("function ran %d times, want 1", e.calls.Load())
+	}
+}
