@@ -321,6 +321,7 @@ func (j *guardJob) run() {
 	defer close(j.done)
 	pprof.SetGoroutineLabels(j.ctx)
 	defer pprof.SetGoroutineLabels(context.Background()) // none left to the next job
+	defer debug.SetPanicOnFault(false)                   // per goroutine too: not left to the next job
 	defer func() {
 		if r := recover(); r != nil {
 			j.err = &panicError{where: j.where, value: r, stack: debug.Stack()}

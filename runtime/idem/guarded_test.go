@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"runtime"
+	"runtime/debug"
 	"runtime/pprof"
 	"strings"
 	"sync"
@@ -105,4 +106,20 @@ func guardWorkerGoroutines(t *testing.T) int {
 		}
 	}
 	return n
+}
+
+// A call that asks for panics on faults (debug.SetPanicOnFault, per
+// goroutine) does not leave that to the calls after it on the same worker.
+func TestGuardWorkerResetsPanicOnFault(t *testing.T) {
+	for range 8 {
+		_ = guarded(context.Background(), "test", func() error { debug.SetPanicOnFault(true); return nil })
+		waitIdleGuardWorker(t)
+		_ = guarded(context.Background(), "test", func() error {
+			if debug.SetPanicOnFault(false) {
+				t.Error("a call found panic-on-fault set by the call before it")
+			}
+			return nil
+		})
+		waitIdleGuardWorker(t)
+	}
 }
