@@ -561,3 +561,28 @@ func TestAttack2TakeoverBlockedByExclusiveTableLock(t *testing.T) {
 		t.Fatalf("function ran %d times, want 1", e.calls.Load())
 	}
 }
+
+// attack2 (issue 11): a request polling for a key in flight elsewhere whose
+// next claim the database does not answer within the wait (here the claim's
+// first prepare on a connection waits for an ACCESS EXCLUSIVE table lock,
+// before the claim's lock_timeout is in force; a blackhole looks the same)
+// answered 409 "Request in flight" after the wait: the database failed, and
+// nobody knows whether the key is still in flight. It is a 503.
+func TestAttack2PolledClaimBlockedByTableLockIs503(t *testing.T) {
+	pool, _ := a2Pool(t)
+	e := newEnvPool(t, pool)
+	h := e.handler(idem.Endpoint{Wait: 600 * time.Millisecond})
+	lockID := idem.LockID(idem.Key{Scope: "test.charge", Key: "k-table"})
+	other := lockTable(t, pool, `SELECT pg_advisory_xact_lock(`+strconv.FormatInt(lockID, 10)+` # 'idem_keys'::regclass::oid::bigint)`)
+	done := make(chan result, 1)
+	go func() { done <- do(h, "k-table", body1) }()
+	time.Sleep(100 * time.Millisecond) // polling: the key is in flight elsewhere
+	table := lockTable(t, pool, `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`)
+	other()
+	r := <-done
+	table()
+	if e.calls.Load() != 0 {
+		t.Fatalf("function ran %d times, want 0", e.calls.Load())
+	}
+	wantProblem(t, r, http.StatusServiceUnavailable)
+}

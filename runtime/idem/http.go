@@ -533,6 +533,7 @@ var (
 	// errBusy: no connection, or a lock other than the key's, within the
 	// wait (503 with Retry-After).
 	errBusy          = errors.New("database busy")
+	errNoAnswer      = errors.New("the database did not answer within the wait") // with errBusy: see unanswered
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
 	// errFunctionEndedTx: the function committed or rolled back the
@@ -603,13 +604,18 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 			}
 		case errors.Is(err, errRetryClaim):
 			rowSeen = rowSeen || errors.Is(err, errKeyRowExists)
-		case polled && errors.Is(err, errBusy) && pgCode(err) != "55P03" && !time.Now().Before(deadline):
+		case polled && errors.Is(err, errBusy) && pgCode(err) != "55P03" && !errors.Is(err, errNoAnswer) && !time.Now().Before(deadline):
 			// The wait ran out during a poll for a key in flight elsewhere.
 			// Not a lock_timeout (55P03): the claim never waits for the
 			// key's own lock, so such a wait was for another one (a purge
 			// holding the expired row this claim took over, a table lock),
 			// and the key, claimed by this request, is not in flight: a 503,
-			// as on the first attempt.
+			// as on the first attempt. Nor a database that did not answer
+			// the poll's claim in time (errNoAnswer: a table lock that its
+			// statements' first prepare on a connection waits for, before
+			// the claim's lock_timeout is set; a blackhole): nobody knows
+			// then whether the key is still in flight, and the database is
+			// what failed, a 503.
 			return nil, errInFlight
 		default:
 			return out, err
@@ -818,7 +824,7 @@ func answerBound(ctx context.Context, deadline time.Time) (context.Context, cont
 // including ctx's own cancellation, pass through.
 func unanswered(ctx, bctx context.Context, doing string, err error) error {
 	if err != nil && ctx.Err() == nil && bctx.Err() != nil {
-		return fmt.Errorf("%w: %s: the database did not answer within the wait: %w", errBusy, doing, err)
+		return fmt.Errorf("%w: %s: %w: %w", errBusy, doing, errNoAnswer, err)
 	}
 	return err
 }
