@@ -134,17 +134,26 @@ func TestAttack2GuardedBurstThenIdle(t *testing.T) {
 	ttl := guardIdleTTL.Swap(int64(100 * time.Millisecond))
 	defer guardIdleTTL.Store(ttl)
 	gate := make(chan struct{})
+	var open sync.Once
+	release := func() { open.Do(func() { close(gate) }) }
+	defer release() // a failure below leaves no call blocked for the tests after it
 	var wg sync.WaitGroup
 	for range 1000 {
 		wg.Go(func() {
 			_ = guarded(context.Background(), "test", func() error { <-gate; return nil })
 		})
 	}
-	time.Sleep(50 * time.Millisecond)
-	if n := guardWorkerGoroutines(t); n < 1000 {
-		t.Fatalf("%d workers for 1000 blocked calls", n)
+	// Each blocked call has a worker of its own: wait (bounded) for the
+	// 1000 to start, not a fixed time, which under -race and a loaded
+	// machine was too short (960 of 1000).
+	waitUntil := time.Now().Add(10 * time.Second)
+	for n := guardWorkerGoroutines(t); n < 1000; n = guardWorkerGoroutines(t) {
+		if time.Now().After(waitUntil) {
+			t.Fatalf("%d workers for 1000 blocked calls", n)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
-	close(gate)
+	release()
 	wg.Wait()
 	deadline := time.Now().Add(3 * time.Second)
 	for guardWorkerGoroutines(t) > 0 || guardWorkersIdle.Load() != 0 {
