@@ -7,12 +7,12 @@ import (
 	"runtime/debug"
 	"runtime/pprof"
 	"strings"
-	"sync/atomic"
-	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemgen/idemgen/runtime/internal/guardlane"
 )
 
 // A consumer sees two kinds of failure and never mixes them (DESIGN.md,
@@ -235,57 +235,42 @@ var errGoexit = errors.New("called runtime.Goexit")
 // goroutine silently, so neither the record nor the rest of the poll was
 // done or rewound, and the next marks committed past them (records lost).
 //
-// The goroutine is a guardWorker, reused from one call to the next: a
-// goroutine started per call began with a small stack and grew it (a copy)
-// in every handler that runs pgx, and its start and end cost scheduler
-// work, about 10% of the consumer's own CPU per record. A call hands fn to
-// a worker waiting for one, or starts a new worker when none waits; a
-// worker waits guardIdleTTL for its next call and then ends, so that the
-// workers left after the last consumer stopped are gone soon after (a
-// goroutine-leak check such as goleak.VerifyNone, which retries for about
-// a second, does not see them) and at most as many wait as calls ran at
-// once. A worker whose fn called Goexit ends there (its deferred calls
-// run, so the caller is answered), and the next call starts a new one.
+// When ctx carries a guardlane.Lane (the Kafka consumer's per-partition
+// loop makes one per poll), fn runs on the lane's worker, reused from one
+// call to the next: a goroutine started per call began with a small stack
+// and grew it (a copy) in every handler that runs pgx, and its start and end
+// cost scheduler work, about 10% of the consumer's own CPU per record.
+// Otherwise (a direct Processor call, or a lane another call holds) fn runs
+// on a goroutine of its own, as before. A lane is never shared across
+// loops, and its worker ends with the loop: nothing outlives the caller, and
+// a consumer run inside a testing/synctest bubble keeps its goroutines and
+// channels inside it (a process-wide pool of workers broke both). A worker
+// whose fn called Goexit ends there (its deferred calls run, so the caller
+// is answered), and the lane's next call starts a new one.
 //
 // fn runs under ctx's profiler labels (pprof.Do around a consumer's Run
-// labels its handlers' samples): a goroutine started per call inherited its
-// caller's labels, and a reused worker would keep those of whichever
-// goroutine started it, or those a previous fn set. Code that locks the
-// worker to its OS thread (runtime.LockOSThread) and returns without
-// unlocking is not detected: the worker, still locked, runs later calls on
-// that thread, as net/http runs the next request of a keep-alive
-// connection on the goroutine that ran the one before. Handlers must not
-// leave their thread locked.
+// labels its handlers' samples), and a reused worker leaves neither labels
+// nor debug.SetPanicOnFault to the next call. Code that locks the worker to
+// its OS thread (runtime.LockOSThread) and returns without unlocking is not
+// detected: the worker, still locked, runs the lane's later calls on that
+// thread, as net/http runs the next request of a keep-alive connection on
+// the goroutine that ran the one before. Handlers must not leave their
+// thread locked.
 func guarded(ctx context.Context, where string, fn func() error) error {
 	job := &guardJob{ctx: ctx, where: where, fn: fn, done: make(chan struct{})}
-	select {
-	case guardJobs <- job: // a waiting worker took it
-	default:
-		go guardWorker(job)
+	if l := guardlane.From(ctx); l != nil && l.Acquire() {
+		l.Run(job.run)
+		<-job.done
+		l.Release()
+	} else {
+		go job.run()
+		<-job.done
 	}
-	<-job.done
 	if !job.returned {
 		return &panicError{where: where, value: errGoexit, stack: nil}
 	}
 	return job.err
 }
-
-// guardIdleTTL is how long, in nanoseconds, a guardWorker waits for its
-// next call before it ends (atomic: tests shorten it while workers run).
-// Under load the next call comes within microseconds.
-var guardIdleTTL = func() *atomic.Int64 {
-	var ttl atomic.Int64
-	ttl.Store(int64(500 * time.Millisecond))
-	return &ttl
-}()
-
-// guardJobs hands a call to a guardWorker waiting for one. It is
-// unbuffered: a send succeeds only when a worker is receiving, so no call
-// waits for a worker that is about to end.
-var guardJobs = make(chan *guardJob)
-
-// guardWorkersIdle counts the guardWorkers waiting for a call (for tests).
-var guardWorkersIdle atomic.Int64
 
 // guardJob is one guarded call: fn's result, and whether fn returned (or
 // panicked) rather than called Goexit.
@@ -296,25 +281,6 @@ type guardJob struct {
 	err      error
 	returned bool
 	done     chan struct{}
-}
-
-// guardWorker runs job, then the calls handed to it through guardJobs,
-// until none comes for guardIdleTTL. A Goexit in a job ends it.
-func guardWorker(job *guardJob) {
-	idle := time.NewTimer(time.Duration(guardIdleTTL.Load()))
-	defer idle.Stop()
-	for {
-		job.run()
-		idle.Reset(time.Duration(guardIdleTTL.Load()))
-		guardWorkersIdle.Add(1)
-		select {
-		case job = <-guardJobs:
-			guardWorkersIdle.Add(-1)
-		case <-idle.C:
-			guardWorkersIdle.Add(-1)
-			return
-		}
-	}
 }
 
 func (j *guardJob) run() {

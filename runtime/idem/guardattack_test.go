@@ -6,20 +6,9 @@ import (
 	"runtime/pprof"
 	"strings"
 	"testing"
-	"time"
-)
 
-// waitIdleGuardWorker waits until a worker is back among the idle ones.
-func waitIdleGuardWorker(t *testing.T) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for guardWorkersIdle.Load() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("no idle guard worker 5s after a call")
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
+	"github.com/idemgen/idemgen/runtime/internal/guardlane"
+)
 
 // attack1LabelProbe blocks the guarded call that runs it until release is
 // closed, so that the goroutine profile shows it, with its labels.
@@ -33,10 +22,10 @@ func attack1LabelProbe(running chan<- struct{}, release <-chan struct{}) {
 // labelsOfProbe runs a guarded call from a goroutine labelled
 // consumer=name and returns the pprof labels of the goroutine that ran it,
 // as the goroutine profile reports them.
-func labelsOfProbe(t *testing.T, name string) string {
+func labelsOfProbe(t *testing.T, lane context.Context, name string) string {
 	t.Helper()
 	running, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
-	go pprof.Do(context.Background(), pprof.Labels("consumer", name), func(ctx context.Context) {
+	go pprof.Do(lane, pprof.Labels("consumer", name), func(ctx context.Context) {
 		defer close(done)
 		_ = guarded(ctx, "test", func() error { attack1LabelProbe(running, release); return nil })
 	})
@@ -69,21 +58,21 @@ func labelsOfProbe(t *testing.T, name string) string {
 // those of the goroutine that happened to start it, so consumer B's
 // handler was profiled as consumer A's.
 func TestGuardedRunsUnderTheCallersProfilerLabels(t *testing.T) {
-	if got := labelsOfProbe(t, "A"); got != `{"consumer":"A"}` {
+	lane, stop := guardlane.With(context.Background())
+	defer stop()
+	if got := labelsOfProbe(t, lane, "A"); got != `{"consumer":"A"}` {
 		t.Fatalf("first call: labels %s, want consumer A's", got)
 	}
-	waitIdleGuardWorker(t)
-	if got := labelsOfProbe(t, "B"); got != `{"consumer":"B"}` {
+	if got := labelsOfProbe(t, lane, "B"); got != `{"consumer":"B"}` {
 		t.Fatalf("second call, from consumer B: labels %s, want consumer B's", got)
 	}
 	// A handler that sets its goroutine's labels and returns does not
 	// leave them to the next call.
-	_ = guarded(context.Background(), "test", func() error {
+	_ = guarded(lane, "test", func() error {
 		pprof.SetGoroutineLabels(pprof.WithLabels(context.Background(), pprof.Labels("leaked", "yes")))
 		return nil
 	})
-	waitIdleGuardWorker(t)
-	if got := labelsOfProbe(t, "C"); got != `{"consumer":"C"}` {
+	if got := labelsOfProbe(t, lane, "C"); got != `{"consumer":"C"}` {
 		t.Fatalf("call after a handler set labels: %s, want consumer C's", got)
 	}
 }

@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/guardlane"
 )
 
 // ConsumerConfig configures a Consumer.
@@ -234,7 +235,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				if rec := r.processPartition(pollCtx, p.Records); rec != nil {
+				// One worker goroutine for the handler calls of this
+				// partition's records (see guardlane), ended with them.
+				lane, stop := guardlane.With(pollCtx)
+				defer stop()
+				if rec := r.processPartition(lane, p.Records); rec != nil {
 					mu.Lock()
 					if rewind[rec.Topic] == nil {
 						rewind[rec.Topic] = map[int32]kgo.EpochOffset{}
