@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -11,6 +12,7 @@ import (
 	"github.com/idemgen/idemgen/internal/benchkit"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/guardlane"
 )
 
 // BenchmarkProcessRecord is the per-record consumer path without a broker:
@@ -50,8 +52,9 @@ func BenchmarkProcessRecord(b *testing.B) {
 		b.ReportMetric(float64(used.Server.Microseconds())/float64(b.N), "server_us/op")
 	}
 	b.Run("bare", func(b *testing.B) {
+		gen := time.Now().UnixNano() // ids new in every run (-count, b.Loop's rounds)
 		cpu(b, func(i int) {
-			id := fmt.Sprintf("bare-%d-%d", b.N, i)
+			id := fmt.Sprintf("bare-%d-%d", gen, i)
 			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, amount) VALUES ($1, $2)`, id, 1)
 				return err
@@ -66,9 +69,14 @@ func BenchmarkProcessRecord(b *testing.B) {
 			b.Fatal(err)
 		}
 		h := handler(insertEffect)
+		// As kafka.Consumer's partition loop: its handler calls share one
+		// worker goroutine (guardlane).
+		lane, stop := guardlane.With(ctx)
+		defer stop()
+		gen := time.Now().UnixNano() // ids new in every run (-count, b.Loop's rounds)
 		cpu(b, func(i int) {
-			rec := &idem.Record{Topic: "events", Offset: int64(i), Value: fmt.Appendf(nil, `{"id":"rec-%d-%d","amount":1}`, b.N, i)}
-			if o, err := p.Process(ctx, &h, rec); err != nil || o != idem.Applied {
+			rec := &idem.Record{Topic: "events", Offset: int64(i), Value: fmt.Appendf(nil, `{"id":"rec-%d-%d","amount":1}`, gen, i)}
+			if o, err := p.Process(lane, &h, rec); err != nil || o != idem.Applied {
 				b.Fatalf("%v, %v", o, err)
 			}
 		})
