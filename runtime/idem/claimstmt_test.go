@@ -45,11 +45,12 @@ func TestClaimStatementsLockOnlyATakenOverRow(t *testing.T) {
 	}
 	custom := func(ctx context.Context, conn *pgx.Conn, arg db.ClaimKeyParams) (pgx.Tx, bool, bool, db.GetKeyRow, error) {
 		opts := pgx.TxOptions{BeginQuery: "begin isolation level repeatable read"}
+		start := time.Now()
 		tx, err := conn.BeginTx(ctx, dbx.BoundedBegin(opts, claimTimeout, 0, 0))
 		if err != nil {
 			return nil, false, false, db.GetKeyRow{}, err
 		}
-		claimed, found, row, err := dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(opts), claimTimeout, arg)
+		claimed, found, row, err := dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(opts), claimTimeout, start, arg)
 		return tx, claimed, found, row, err
 	}
 	for i, tc := range []struct {

@@ -792,11 +792,7 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 	if err != nil || claim == nil {
 		return tx, c, err
 	}
-	lockTimeout := s.LockTimeout // what is left of it, for a takeover's row lock
-	if lockTimeout > 0 {
-		lockTimeout = max(lockTimeout-time.Since(start), time.Millisecond)
-	}
-	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), lockTimeout, *claim)
+	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), s.LockTimeout, start, *claim)
 	return tx, c, err
 }
 

@@ -77,7 +77,7 @@ func beginSQL(opts pgx.TxOptions) string {
 // tells whether an expired row is being taken over: such a row is locked
 // before ClaimKeyRestore returns, in a second round trip, lockTakenOver,
 // whose lock wait is bounded by what is left of lockTimeout, counted from
-// the call). Otherwise found reports whether row, the key's row, exists:
+// since, when the transaction's BEGIN set it). Otherwise found reports whether row, the key's row, exists:
 // live, it is the stored response; absent or expired, the key is in flight
 // in another transaction. GetKey runs after ClaimKey took the lock, so under
 // read committed its fresh snapshot sees a row committed by the lock's
@@ -85,8 +85,7 @@ func beginSQL(opts pgx.TxOptions) string {
 // adds ClaimKeyRow, which fails with 40001 on such a row. For a live row (a
 // replay) none of these statements writes or locks anything, and neither
 // does a new key's claim before ClaimKeyRow.
-func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, lockTimeout time.Duration, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
-	start := time.Now()
+func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, lockTimeout time.Duration, since time.Time, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
 	var locked bool
 	queueClaim(b, arg, rowCheck, &locked, &found, &row)
@@ -95,7 +94,7 @@ func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, lockTimeout 
 	}
 	claimed = locked && !(found && row.Live)
 	if claimed && found {
-		if err := lockTakenOver(ctx, tx, left(lockTimeout, start), arg); err != nil {
+		if err := lockTakenOver(ctx, tx, left(lockTimeout, since), arg); err != nil {
 			return false, false, db.GetKeyRow{}, err
 		}
 	}
