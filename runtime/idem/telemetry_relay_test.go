@@ -67,6 +67,23 @@ func TestRelayTelemetry(t *testing.T) {
 		return metricSums(t, reader, "idem.relay.published", "")[""] == 3 &&
 			metricSums(t, reader, "idem.relay.parked", "")[""] == 1
 	})
+	// A batch adds its counts before it ends its span: wait for the spans
+	// of the batches that published and parked the four events to end too,
+	// or the idle-poll check below counts a batch span ending late.
+	waitFor(t, func() bool {
+		var published, parked int64
+		for _, s := range spans.Ended() {
+			for _, kv := range s.Attributes() {
+				switch kv.Key {
+				case "idem.relay.published":
+					published += kv.Value.AsInt64()
+				case "idem.relay.parked":
+					parked += kv.Value.AsInt64()
+				}
+			}
+		}
+		return published == 3 && parked == 1
+	})
 	leader := func() int64 {
 		var rm metricdata.ResourceMetrics
 		if err := reader.Collect(ctx, &rm); err != nil {
