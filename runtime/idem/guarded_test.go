@@ -75,16 +75,42 @@ func TestGuardedLaneReusesItsWorker(t *testing.T) {
 	}
 }
 
+// laneWorkerRunning reports whether goroutine id is running a lane's worker,
+// from the goroutine profile.
+func laneWorkerRunning(t *testing.T, id string) bool {
+	t.Helper()
+	var buf bytes.Buffer
+	if err := pprof.Lookup("goroutine").WriteTo(&buf, 2); err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range strings.Split(buf.String(), "\n\n") {
+		if strings.HasPrefix(g, "goroutine "+id+" [") && strings.Contains(g, "guardlane.(*Lane).work(") {
+			return true
+		}
+	}
+	return false
+}
+
 // A lane's worker ends at stop: none outlives the loop that made it (a
 // process-wide pool kept up to 64 forever, for a goroutine-leak check to
-// report).
+// report). The worker is followed by its goroutine id: a count of the
+// process's lane workers taken before and after also counts the workers of
+// earlier tests' lanes, which end on their own schedule after their stop
+// (the count before included one that ended meanwhile, and the test waited
+// 5s for a count it could not reach).
 func TestGuardLaneWorkerEndsAtStop(t *testing.T) {
-	before := laneWorkers(t)
 	lane, stop := guardlane.With(context.Background())
-	_ = guarded(lane, "test", func() error { return nil })
-	waitLaneWorkers(t, before+1)
+	var worker string
+	_ = guarded(lane, "test", func() error { worker = goroutineID(); return nil })
+	if !laneWorkerRunning(t, worker) {
+		t.Fatalf("goroutine %s, which ran the lane's call, is not a running lane worker", worker)
+	}
 	stop()
-	waitLaneWorkers(t, before)
+	for deadline := time.Now().Add(5 * time.Second); laneWorkerRunning(t, worker); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the lane's worker (goroutine %s) still runs 5s after stop", worker)
+		}
+	}
 	// A call with the lane's ctx after stop still runs, on its own goroutine.
 	ran := false
 	if err := guarded(lane, "test", func() error { ran = true; return nil }); err != nil || !ran {
