@@ -316,7 +316,14 @@ func TestNetworkDownDuringPipelinedCommitAnswersOutcomeUnknown(t *testing.T) {
 	}
 	h := e.handler(idem.Endpoint{Wait: 5 * time.Second})
 	first := do(h, "k-cut-commit", bodySlow)
-	time.Sleep(1500 * time.Millisecond) // the server finishes the COMMIT
+	// The server finishes the COMMIT (its trigger sleeps 1s) after the
+	// answer: wait for the completed key, bounded. (A fixed 1.5s sleep bet
+	// on the backend's schedule on a loaded machine.)
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if pgtest.Count(t, direct, `SELECT count(*) FROM idem_keys WHERE status_code <> 0`) != 0 {
+			break
+		}
+	}
 	if !keyState(t, check) {
 		t.Fatal("the COMMIT did not go through: the network did not fail during it")
 	}
@@ -382,7 +389,14 @@ func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
 			t.Errorf("migrating process %d still running after 60s", i)
 		}
 	}
-	time.Sleep(100 * time.Millisecond)
+	// Let the writers insert after the upgrade (they must get a UUIDv7),
+	// waiting for such a row rather than a fixed 100ms, which four starved
+	// writers can spend without a commit.
+	for deadline := time.Now().Add(20 * time.Second); !t.Failed() && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE substr(event_id, 15, 1) = '7'`) != 0 {
+			break
+		}
+	}
 	close(stop)
 	wg.Wait()
 	if t.Failed() {
