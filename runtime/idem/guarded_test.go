@@ -206,8 +206,9 @@ func TestGuardedLaneFrozenHandler(t *testing.T) {
 	defer stop()
 	release := make(chan struct{})
 	frozen := make(chan error, 1)
-	go func() { frozen <- guarded(lane, "test", func() error { <-release; return nil }) }()
-	time.Sleep(20 * time.Millisecond)
+	entered := make(chan struct{})
+	go func() { frozen <- guarded(lane, "test", func() error { close(entered); <-release; return nil }) }()
+	<-entered // the frozen handler holds the lane (a 20ms sleep here did not make sure of it)
 	done := make(chan error, 1)
 	go func() { done <- guarded(lane, "test", func() error { return nil }) }()
 	select {
