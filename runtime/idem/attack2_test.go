@@ -191,8 +191,14 @@ func TestAttack2TakeoverBackendFrozen(t *testing.T) {
 	}
 	took := time.Since(start)
 	_ = syscall.Kill(int(pid), syscall.SIGCONT)
-	if r.status != http.StatusServiceUnavailable || took > wait+time.Second+200*time.Millisecond {
-		t.Fatalf("frozen takeover: %d %s after %v, want 503 within %v+1s", r.status, r.body, took, wait)
+	t.Logf("answered %d after %v (wait %v)", r.status, took, wait)
+	// The answer comes from the request's deadline, wait + the 1s answer
+	// slack; the 1s over it is scheduling on a loaded machine (200ms was
+	// overrun: 1.79s for a 1.5s deadline), not a speed assertion: a second
+	// wait (or slack) would take 2×(wait+1s), and a hang runs into the 3s
+	// select above.
+	if limit := wait + time.Second + time.Second; r.status != http.StatusServiceUnavailable || took > limit {
+		t.Fatalf("frozen takeover: %d %s after %v, want 503 within wait + answer slack + 1s = %v", r.status, r.body, took, limit)
 	}
 	end(false)
 	if n := e.calls.Load(); n != 1 {
@@ -566,8 +572,14 @@ func TestAttack2TakeoverBlockedByExclusiveTableLock(t *testing.T) {
 	took := time.Since(start)
 	table()
 	t.Logf("answered %d after %v (wait %v): %s", r.status, took, wait, r.body)
-	if r.status != http.StatusServiceUnavailable || took > wait+time.Second+200*time.Millisecond {
-		t.Fatalf("takeover behind an EXCLUSIVE table lock: %d after %v", r.status, took)
+	// The lock is met while LockExpiredKey is prepared, before the claim's
+	// lock_timeout is in force: the answer comes from the request's
+	// deadline, wait + the 1s answer slack (about 1.4s here). The 1s over
+	// it is scheduling on a loaded machine (200ms was overrun: 1.69s), not
+	// a speed assertion: the session's lock_timeout (4321ms) or a second
+	// wait would still fail it.
+	if limit := wait + time.Second + time.Second; r.status != http.StatusServiceUnavailable || took > limit {
+		t.Fatalf("takeover behind an EXCLUSIVE table lock: %d after %v, want 503 within wait + answer slack + 1s = %v", r.status, took, limit)
 	}
 	if e.calls.Load() != 1 {
 		t.Fatalf("function ran %d times, want 1", e.calls.Load())
