@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -274,7 +275,11 @@ func TestSigtermPastDrainDeadline(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	c := startChild(t, url, "IDEM_STALL_AT=http.after-call", "DRAIN_TIMEOUT=500ms")
+	// The child's sessions carry an application_name of their own: the
+	// database is shared with other tests (and other test runs), whose
+	// sessions are idle in transaction now and then too.
+	app := "sigterm-drain-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	c := startChild(t, withAppName(url, app), "IDEM_STALL_AT=http.after-call", "DRAIN_TIMEOUT=500ms")
 	type answer struct {
 		status int
 		err    error
@@ -284,9 +289,11 @@ func TestSigtermPastDrainDeadline(t *testing.T) {
 		status, _, _, err := charge(c.addr, "key-stall", "order-stall")
 		done <- answer{status, err}
 	}()
-	// Wait until the charge's INSERT is in the open transaction.
+	// Wait until the charge's INSERT is in the open transaction (whose last
+	// statement, at http.after-call, is the function's outbox INSERT).
 	deadline := time.Now().Add(10 * time.Second)
-	for pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND datname = current_database()`) == 0 {
+	for pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND application_name = $1
+		AND query LIKE '%name: EnqueueOutbox%'`, app) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("request never reached the stall point")
 		}
