@@ -36,26 +36,73 @@ type exitResult struct {
 // running after limit (the old code hung forever).
 func runUntilExit(t *testing.T, limit, sigterm time.Duration, env ...string) exitResult {
 	t.Helper()
+	return runServe(t, limit, sigterm, "", env...)
+}
+
+// runUntilExitAfter is runUntilExit sending SIGTERM once the process has
+// written line to stderr (if it does: one that exits first is not sent any).
+func runUntilExitAfter(t *testing.T, limit time.Duration, line string, env ...string) exitResult {
+	t.Helper()
+	return runServe(t, limit, 0, line, env...)
+}
+
+func runServe(t *testing.T, limit, sigterm time.Duration, sigtermOn string, env ...string) exitResult {
+	t.Helper()
 	cmd := exec.Command(buildCrashBinary(t), "serve")
 	cmd.Env = append(os.Environ(), append([]string{"ADDR=127.0.0.1:0", "KAFKA_EMBEDDED_ADDR=127.0.0.1:0"}, env...)...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
+	stderr := &watchedBuffer{want: sigtermOn, seen: make(chan struct{})}
+	cmd.Stderr = stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
 	if sigterm > 0 {
 		time.AfterFunc(sigterm, func() { _ = cmd.Process.Signal(syscall.SIGTERM) })
 	}
+	if sigtermOn != "" {
+		go func() {
+			select {
+			case <-stderr.seen:
+				_ = cmd.Process.Signal(syscall.SIGTERM)
+			case <-exited:
+			}
+		}()
+	}
 	select {
-	case <-done:
+	case <-exited:
 	case <-time.After(limit):
 		_ = cmd.Process.Kill()
-		<-done
+		<-exited
 		t.Fatalf("payments serve still running after %v:\n%s", limit, stderr.String())
 	}
 	return exitResult{code: cmd.ProcessState.ExitCode(), stderr: stderr.String()}
+}
+
+// watchedBuffer is a process's stderr: it keeps what was written and
+// closes seen once that holds want (if want is set).
+type watchedBuffer struct {
+	mu   sync.Mutex
+	buf  bytes.Buffer
+	want string
+	seen chan struct{}
+	once sync.Once
+}
+
+func (w *watchedBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n, err := w.buf.Write(p)
+	if w.want != "" && strings.Contains(w.buf.String(), w.want) {
+		w.once.Do(func() { close(w.seen) })
+	}
+	return n, err
+}
+
+func (w *watchedBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
 }
 
 // blackhole is a TCP server that accepts connections and never answers: a
@@ -139,11 +186,14 @@ func TestReplicasStartTogether(t *testing.T) {
 		var wg sync.WaitGroup
 		for i := range results {
 			wg.Add(1)
-			// SIGTERM after it has had time to start: a clean start-up then
-			// exits 0; a failed one exits 1 on its own.
+			// SIGTERM once it has started (it says it listens): a clean
+			// start-up then exits 0; a failed one exits 1 on its own. (A
+			// SIGTERM 3s after the start bet that six replicas come up
+			// within 3s on a loaded machine; one that had not was
+			// interrupted during start-up and exited 1.)
 			go func() {
 				defer wg.Done()
-				results[i] = runUntilExit(t, 60*time.Second, 3*time.Second, "DATABASE_URL="+url)
+				results[i] = runUntilExitAfter(t, 60*time.Second, "payments listening", "DATABASE_URL="+url)
 			}()
 		}
 		wg.Wait()
