@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -201,7 +203,10 @@ func feedKeys(t *testing.T, pool *pgxpool.Pool, keys int) (stop func() int) {
 //	go test ./runtime/kafka -run TestRepeatedFreezeTakeoversKeepKeyOrder -v -count=1
 func TestRepeatedFreezeTakeoversKeepKeyOrder(t *testing.T) {
 	t.Parallel()
-	const lease = time.Second
+	// 2s: a lease statement is bounded by lease/3, and a leader whose
+	// renewal times out steps down by itself; at 1s (333ms) a loaded
+	// machine did that between two freezes.
+	const lease = 2 * time.Second
 	addrs := cluster(t, 4, "events")
 	rec := startRecorder(t, addrs, "events")
 	dbURL := pgtest.Schema(t)
@@ -221,8 +226,16 @@ func TestRepeatedFreezeTakeoversKeepKeyOrder(t *testing.T) {
 	procs = append(procs, startRelayProc(t, "B", dbURL, addrs, lease))
 	procs[1].waitFor(t, 0, 30*time.Second, "standing by")
 	var took []time.Duration
-	for cycle := range 5 {
-		leader, standby := procs[cycle%2], procs[(cycle+1)%2]
+	for range 5 {
+		// The leader is the lease's live holder, not assumed to alternate:
+		// a leader can also lose its lease on its own (a renewal that timed
+		// out), and freezing the standby instead then waited in vain.
+		leader, standby := leaderOf(t, pool, procs), (*relayProc)(nil)
+		for _, p := range procs {
+			if p != leader {
+				standby = p
+			}
+		}
 		before := published()
 		waitUntil(t, "the leader to publish", func() bool { return published() >= before+20 })
 		from := strings.Count(standby.text(), "\n") + 1
@@ -243,6 +256,30 @@ func TestRepeatedFreezeTakeoversKeepKeyOrder(t *testing.T) {
 	}
 	dups := rec.check(t, total)
 	t.Logf("lease %v: 5 freeze takeovers in %v; %d events over 20 keys, %d duplicate records", lease, took, total, dups)
+}
+
+// leaderOf returns the process of procs whose relay holds the live lease,
+// waiting up to 30s for one to hold it.
+func leaderOf(t *testing.T, pool *pgxpool.Pool, procs []*relayProc) *relayProc {
+	t.Helper()
+	id := regexp.MustCompile(`relay=([0-9a-f]{8})`)
+	var holder string
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		err := pool.QueryRow(context.Background(), `SELECT left(holder, 8) FROM idem_relay_leader WHERE expires_at > now()`).Scan(&holder)
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range procs {
+			if m := id.FindStringSubmatch(p.text()); m != nil && m[1] == holder {
+				return p
+			}
+		}
+	}
+	t.Fatalf("no relay of %d holds a live lease (last holder %q)", len(procs), holder)
+	return nil
 }
 
 // span is one Publish call of one relay.
