@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -111,7 +112,8 @@ ANALYZE idem_outbox;`)
 // row is locked during the produce); after the ack it is marked replayed and
 // a further replay does nothing.
 func TestReplayDeadLetter(t *testing.T) {
-	pool := migrated(t, nil)
+	app := "admin-replay-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	pool := migrated(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
 	pgtest.Exec(t, pool, `INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
 VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-7'::bytea], 5, 'boom')`)
 	a := admin.New(pool)
@@ -155,7 +157,7 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRA
 		results <- ok
 	}()
 	// The second replay is blocked on the row lock (not producing).
-	waitBlocked(t, pool)
+	waitBlocked(t, pool, app)
 	close(release)
 	first, second := <-results, <-results
 	if !(first != second) || produced.Load() != 1 {
@@ -172,12 +174,14 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRA
 	}
 }
 
-// waitBlocked waits until some session of the test's database waits on a lock.
-func waitBlocked(t *testing.T, pool *pgxpool.Pool) {
+// waitBlocked waits until a session of application app waits on a lock in
+// MarkDeadLetterReplayed. (Not any session of the database: it is shared
+// with other tests and test runs, whose replays would end the wait early.)
+func waitBlocked(t *testing.T, pool *pgxpool.Pool, app string) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
-		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%MarkDeadLetterReplayed%'`) > 0 {
+		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1 AND query LIKE '%MarkDeadLetterReplayed%'`, app) > 0 {
 			return
 		}
 		time.Sleep(10 * time.Millisecond)
