@@ -329,7 +329,7 @@ func TestMigrateCurrentTakesNoLock(t *testing.T) {
 	}
 	release := lockTable(t, pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at) VALUES ('s', '', 'in-flight', '', now() + interval '1 hour')`)
 	defer release()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatalf("Migrate with a request in flight: %v", err)

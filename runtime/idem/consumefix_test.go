@@ -64,7 +64,7 @@ func TestCommitRefusedByHandlerWritesIsRecordFailure(t *testing.T) {
 				calls.Add(1)
 				return fn(ctx, tx, e)
 			})
-			o, err := processWithin(p, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"c1","amount":1}`)}, 5*time.Second)
+			o, err := processWithin(p, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"c1","amount":1}`)}, 20*time.Second)
 			if err != nil || o != idem.DeadLettered {
 				t.Fatalf("Process = %v, %v after %d handler calls; want dead-lettered after the budget of 2", o, err, calls.Load())
 			}
@@ -105,7 +105,7 @@ func TestBatchCommitRefusedDeadLettersOnlyTheCulprit(t *testing.T) {
 		}
 		recs = append(recs, &idem.Record{Topic: "events", Offset: int64(i), Value: fmt.Appendf(nil, `{"id":"b%d","amount":%d}`, i, amount)})
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	outs, err := p.ProcessBatch(ctx, &h, recs)
 	if err != nil {
@@ -153,7 +153,7 @@ func TestHandlerOwnCancellationIsRecordFailure(t *testing.T) {
 				calls.Add(1)
 				return fn(ctx, tx, e)
 			})
-			o, err := processWithin(p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"x1","amount":1}`)}, 5*time.Second)
+			o, err := processWithin(p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"x1","amount":1}`)}, 20*time.Second)
 			if err != nil || o != idem.DeadLettered || calls.Load() != 3 {
 				t.Fatalf("Process = %v, %v after %d calls; want dead-lettered after the budget of 3", o, err, calls.Load())
 			}
@@ -179,11 +179,11 @@ func TestOddPanicsAreDeadLettered(t *testing.T) {
 			return insertEffect(ctx, tx, e)
 		})
 		rec := &idem.Record{Topic: "events", Offset: int64(2 * i), Value: fmt.Appendf(nil, `{"id":"p%d","amount":-1}`, i)}
-		if o, err := processWithin(p, &h, rec, 5*time.Second); err != nil || o != idem.DeadLettered {
+		if o, err := processWithin(p, &h, rec, 20*time.Second); err != nil || o != idem.DeadLettered {
 			t.Fatalf("panic(%#v): %v, %v", v, o, err)
 		}
 		rec = &idem.Record{Topic: "events", Offset: int64(2*i + 1), Value: fmt.Appendf(nil, `{"id":"ok%d","amount":1}`, i)}
-		if o, err := processWithin(p, &h, rec, 5*time.Second); err != nil || o != idem.Applied {
+		if o, err := processWithin(p, &h, rec, 20*time.Second); err != nil || o != idem.Applied {
 			t.Fatalf("after panic(%#v): %v, %v", v, o, err)
 		}
 	}
@@ -336,7 +336,7 @@ func TestBatchHandlerFailureUsesTheBudget(t *testing.T) {
 		{Topic: "events", Offset: 1, Value: []byte(`{"id":"f1","amount":-1}`)},
 		{Topic: "events", Offset: 2, Value: []byte(`{"id":"f2","amount":1}`)},
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	outs, err := p.ProcessBatch(ctx, &h, recs)
 	if err != nil {

@@ -352,7 +352,7 @@ func TestMigrateCurrentWaitsForNothing(t *testing.T) {
 	// The same lock as templates/query.sql MigrateLock (per schema).
 	release := lockTable(t, pool, `SELECT pg_advisory_xact_lock(hashtext('idem_migrate'), hashtext(current_schema()))`)
 	defer release()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatalf("Migrate on a current schema while another process holds the migration lock: %v", err)
@@ -436,7 +436,7 @@ func TestMigrateLockIsPerSchema(t *testing.T) {
 	release := lockTable(t, other, db.MigrateLock)
 	defer release()
 	fresh := pgtest.Pool(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	if err := idem.Migrate(ctx, fresh); err != nil {
 		t.Fatalf("Migrate of a fresh schema while another schema's migration holds its lock: %v", err)
