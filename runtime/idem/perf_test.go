@@ -459,11 +459,14 @@ func TestStoreNewKeyRetriesOverAnExpiredRowWrittenElsewhere(t *testing.T) {
 // and the next request with the key ran the function again.
 func TestTTLCountsFromCompletion(t *testing.T) {
 	e := newEnv(t)
+	// The function outlasts the TTL by half a TTL; the replay must come
+	// within the TTL of the completion: 1s leaves a loaded machine room for
+	// the COMMIT and the second request's claim (400ms left it less).
 	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
-		time.Sleep(600 * time.Millisecond)
+		time.Sleep(1500 * time.Millisecond)
 		return nil
 	}
-	h := e.handler(idem.Endpoint{TTL: 400 * time.Millisecond})
+	h := e.handler(idem.Endpoint{TTL: time.Second})
 	if r := do(h, "k-slow", body1); r.status != http.StatusCreated {
 		t.Fatalf("first: %d %s", r.status, r.body)
 	}
