@@ -1,0 +1,219 @@
+package pgtest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// BinDir holds the PostgreSQL server binaries PrivateCluster runs
+// (initdb, pg_ctl, postgres). PGBIN overrides it.
+const BinDir = "/usr/lib/postgresql/15/bin"
+
+// Cluster is a PostgreSQL server of the test's own (initdb'd into a
+// temporary directory), which the test may stop, crash and restart without
+// disturbing any other test. Create it with PrivateCluster.
+type Cluster struct {
+	// URL connects to the cluster's database "postgres" over TCP on
+	// 127.0.0.1 as the superuser postgres (trust).
+	URL string
+	// Port is the TCP port the cluster listens on.
+	Port int
+
+	t    testing.TB
+	bin  string
+	dir  string // the temporary directory: data/, sock/, server.log
+	data string
+	log  string
+	cred *syscall.Credential // the postgres user's when we run as root
+
+	mu sync.Mutex // serializes pg_ctl
+}
+
+// PrivateCluster initdb's and starts a private PostgreSQL server (fsync off)
+// on a free port of 127.0.0.1, with its unix socket in its own directory.
+// When the test ends it is stopped (immediate) and its directory removed,
+// whether the test passed or not; if the test failed, the tail of the
+// server's log is logged first. Missing binaries fail the test (they are
+// never a reason to skip). As root (initdb refuses to run as root) the
+// server runs as the user postgres.
+func PrivateCluster(t testing.TB) *Cluster {
+	t.Helper()
+	bin := BinDir
+	if b := os.Getenv("PGBIN"); b != "" {
+		bin = b
+	}
+	for _, name := range []string{"initdb", "pg_ctl", "postgres"} {
+		if _, err := os.Stat(filepath.Join(bin, name)); err != nil {
+			t.Fatalf("pgtest.PrivateCluster needs the PostgreSQL server binaries in %s (set PGBIN): %v", bin, err)
+		}
+	}
+	dir, err := os.MkdirTemp("", "pgtest-cluster-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &Cluster{t: t, bin: bin, dir: dir, data: filepath.Join(dir, "data"), log: filepath.Join(dir, "server.log")}
+	t.Cleanup(func() {
+		if t.Failed() {
+			c.logTail()
+		}
+		_, _ = c.pgCtl(60*time.Second, "stop", "-m", "immediate", "-w")
+		_ = os.RemoveAll(dir)
+	})
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			t.Fatalf("pgtest.PrivateCluster runs as root, so the server must run as the user postgres (initdb refuses root): %v", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		c.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+		if err := os.Chown(dir, uid, gid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sock := filepath.Join(dir, "sock")
+	for _, d := range []string{sock} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if c.cred != nil {
+			if err := os.Chown(d, int(c.cred.Uid), int(c.cred.Gid)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if out, err := c.run(2*time.Minute, filepath.Join(bin, "initdb"), "-D", c.data, "-U", "postgres",
+		"-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
+		t.Fatalf("initdb: %v\n%s", err, out)
+	}
+	c.Port = freePort(t)
+	conf := fmt.Sprintf("\nlisten_addresses = '127.0.0.1'\nport = %d\nunix_socket_directories = '%s'\n"+
+		"fsync = off\nsynchronous_commit = on\nfull_page_writes = off\nmax_connections = 100\n"+
+		"shared_buffers = 32MB\nlog_min_messages = warning\nlog_line_prefix = '%%m [%%p] '\n", c.Port, sock)
+	f, err := os.OpenFile(filepath.Join(c.data, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteString(conf); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", c.Port)
+	c.Start()
+	return c
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// run runs a server binary as the cluster's user, bounded by limit.
+func (c *Cluster) run(limit time.Duration, name string, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir = c.dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C", "LANG=C")
+	if c.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	return out.Bytes(), err
+}
+
+func (c *Cluster) pgCtl(limit time.Duration, args ...string) ([]byte, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	args = append([]string{"-D", c.data, "-l", c.log, "-t", strconv.Itoa(int(limit / time.Second))}, args...)
+	return c.run(limit+10*time.Second, filepath.Join(c.bin, "pg_ctl"), args...)
+}
+
+func (c *Cluster) must(what string, args ...string) {
+	c.t.Helper()
+	if out, err := c.pgCtl(60*time.Second, args...); err != nil {
+		c.logTail()
+		c.t.Fatalf("pg_ctl %s: %v\n%s", what, err, out)
+	}
+}
+
+// Start starts the server and waits until it accepts connections (after
+// crash recovery, if it was crashed).
+func (c *Cluster) Start() {
+	c.t.Helper()
+	c.must("start", "start", "-w")
+	c.waitReady()
+}
+
+// Stop stops the server with the shutdown mode: "smart", "fast" (every
+// session ends with 57P01 admin_shutdown, open transactions roll back) or
+// "immediate" (a crash: no checkpoint, the next start runs crash recovery).
+func (c *Cluster) Stop(mode string) {
+	c.t.Helper()
+	c.must("stop -m "+mode, "stop", "-m", mode, "-w")
+}
+
+// Restart is pg_ctl restart with the shutdown mode (see Stop).
+func (c *Cluster) Restart(mode string) {
+	c.t.Helper()
+	c.must("restart -m "+mode, "restart", "-m", mode, "-w")
+	c.waitReady()
+}
+
+// waitReady polls until a connection runs a query (pg_ctl -w already waits;
+// this also covers a server still finishing recovery).
+func (c *Cluster) waitReady() {
+	c.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		conn, err := pgx.Connect(ctx, c.URL)
+		if err == nil {
+			_, err = conn.Exec(ctx, "SELECT 1")
+			conn.Close(ctx)
+		}
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			c.logTail()
+			c.t.Fatalf("private cluster not ready after 60s: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Log returns the server's log so far.
+func (c *Cluster) Log() string {
+	b, _ := os.ReadFile(c.log)
+	return string(b)
+}
+
+func (c *Cluster) logTail() {
+	b := []byte(c.Log())
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	c.t.Logf("private cluster log (tail):\n%s", b)
+}
