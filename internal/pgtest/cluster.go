@@ -10,6 +10,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -177,6 +178,38 @@ func (c *Cluster) Stop(mode string) {
 func (c *Cluster) Restart(mode string) {
 	c.t.Helper()
 	c.must("restart -m "+mode, "restart", "-m", mode, "-w")
+	c.waitReady()
+}
+
+// CrashBackend kills (SIGKILL) the backend of a new session: the postmaster
+// then ends every other session (57P02 crash_shutdown), runs crash recovery
+// and accepts connections again by itself (restart_after_crash), refusing
+// them with 57P03 meanwhile. It returns once the server answers again.
+func (c *Cluster) CrashBackend() {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, c.URL)
+	if err != nil {
+		c.t.Fatalf("connect to crash a backend: %v", err)
+	}
+	defer conn.Close(context.Background())
+	var pid int
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		c.t.Fatalf("backend pid: %v", err)
+	}
+	before := strings.Count(c.Log(), "reinitializing")
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		c.t.Fatalf("kill backend %d: %v", pid, err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for strings.Count(c.Log(), "reinitializing") == before {
+		if time.Now().After(deadline) {
+			c.logTail()
+			c.t.Fatalf("the postmaster did not reinitialize within 30s of backend %d's crash", pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	c.waitReady()
 }
 

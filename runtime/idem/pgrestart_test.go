@@ -65,6 +65,11 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	var calls atomic.Int64
 	charge := func(ctx context.Context, tx pgx.Tx, req chargeReq) (receipt, error) {
 		calls.Add(1)
+		// A little time inside the transaction, so that restarts catch
+		// requests mid-transaction and mid-commit, not only between them.
+		if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.003)`); err != nil {
+			return receipt{}, err
+		}
 		var id int64
 		if err := tx.QueryRow(ctx, `INSERT INTO effects (order_id, amount) VALUES ($1, $2) RETURNING id`, req.Order, req.Amount).Scan(&id); err != nil {
 			return receipt{}, err
@@ -102,10 +107,21 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 			replayed: resp.Header.Get("Idempotent-Replayed") != "", body: b, err: err, took: time.Since(start)}
 	}
 
+	// Each key is sent by two clients at once (a retry storm in miniature:
+	// the same request, same body), each retrying until it has an answer
+	// that is not a 503 or 409.
+	const clients = 2
 	type keyRun struct {
 		key, body string
-		final     answer
-		history   []int
+		mu        sync.Mutex
+		final     [clients]answer
+		history   []string // per attempt: client, status, the problem's title
+		// ran counts answers that were not replays (the function ran and
+		// committed for that attempt); mayHaveRun: some attempt may have
+		// committed without saying so (an "Outcome unknown" 503, or no
+		// answer).
+		ran        int
+		mayHaveRun bool
 	}
 	var (
 		mu        sync.Mutex
@@ -122,9 +138,50 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 			problems = append(problems, fmt.Sprintf(format, args...))
 		}
 	}
+	// client sends run's request until it has a final answer.
+	sendUntilAnswered := func(run *keyRun, c int) {
+		giveUp := time.Now().Add(90 * time.Second)
+		for {
+			a := call(run.key, run.body)
+			mu.Lock()
+			statuses[a.status]++
+			mu.Unlock()
+			var p struct{ Title, Detail string }
+			_ = json.Unmarshal(a.body, &p)
+			run.mu.Lock()
+			run.history = append(run.history, fmt.Sprintf("c%d: %d %s", c, a.status, p.Title))
+			if a.status == http.StatusCreated && !a.replayed {
+				run.ran++
+			}
+			if a.status == -1 || p.Title == "Outcome unknown" {
+				run.mayHaveRun = true
+			}
+			run.mu.Unlock()
+			switch {
+			case a.status == -1:
+				problem("%s: no answer within %v: %v", run.key, perRequest, a.err)
+			case a.status == http.StatusServiceUnavailable || a.status == http.StatusConflict:
+				if a.retryAfter == "" || a.ctype != "application/problem+json" {
+					problem("%s: %d without Retry-After or problem+json (%q, %q): %s", run.key, a.status, a.retryAfter, a.ctype, a.body)
+				}
+			case a.status != http.StatusCreated:
+				problem("%s: status %d: %s", run.key, a.status, a.body)
+			}
+			if a.status > 0 && a.status != http.StatusServiceUnavailable && a.status != http.StatusConflict {
+				run.final[c] = a
+				return
+			}
+			if time.Now().After(giveUp) {
+				problem("%s: no final answer after 90s of retries", run.key)
+				run.final[c] = a
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	for w := 0; w < 6; w++ {
+	for w := 0; w < 4; w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -137,38 +194,15 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 				i := seq.Add(1)
 				run := &keyRun{key: fmt.Sprintf("k-%d", i)}
 				run.body = fmt.Sprintf(`{"order":%q,"amount":%d}`, run.key, i)
-				giveUp := time.Now().Add(90 * time.Second)
-				for {
-					a := call(run.key, run.body)
-					mu.Lock()
-					statuses[a.status]++
-					mu.Unlock()
-					run.history = append(run.history, a.status)
-					switch {
-					case a.status == -1:
-						problem("%s: no answer within %v: %v", run.key, perRequest, a.err)
-					case a.status == http.StatusServiceUnavailable || a.status == http.StatusConflict:
-						if a.retryAfter == "" || a.ctype != "application/problem+json" {
-							problem("%s: %d without Retry-After or problem+json (%q, %q): %s", run.key, a.status, a.retryAfter, a.ctype, a.body)
-						}
-					case a.status != http.StatusCreated:
-						problem("%s: status %d: %s", run.key, a.status, a.body)
-					}
-					if a.status == http.StatusCreated || (a.status > 0 && a.status != http.StatusServiceUnavailable && a.status != http.StatusConflict) {
-						run.final = a
-						break
-					}
-					if time.Now().After(giveUp) {
-						problem("%s: no final answer after 90s of retries: %v", run.key, run.history)
-						run.final = a
-						break
-					}
-					time.Sleep(50 * time.Millisecond)
+				var both sync.WaitGroup
+				for c := 0; c < clients; c++ {
+					both.Go(func() { sendUntilAnswered(run, c) })
 				}
+				both.Wait()
 				mu.Lock()
 				runs = append(runs, run)
 				mu.Unlock()
-				if run.final.status == http.StatusCreated {
+				if run.final[0].status == http.StatusCreated && run.final[1].status == http.StatusCreated {
 					completed.Add(1)
 				}
 			}
@@ -204,6 +238,7 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	progress("warm-up", 30)
 	phase("restart -m fast", func() { cl.Restart("fast") })
 	phase("stop -m immediate, start (crash recovery)", func() { cl.Stop("immediate"); cl.Start() })
+	phase("a backend killed (crash restart by the postmaster)", func() { cl.CrashBackend() })
 	phase("stop -m fast, 3s down, start", func() {
 		cl.Stop("fast")
 		time.Sleep(3 * time.Second)
@@ -247,21 +282,32 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	sort.Slice(runs, func(i, j int) bool { return runs[i].key < runs[j].key })
 	for _, run := range runs {
 		effs := byOrder[run.key]
-		var got receipt
-		err := json.Unmarshal(run.final.body, &got)
-		if len(effs) != 1 || run.final.status != http.StatusCreated || err != nil || got.ID != effs[0].id || got.Order != run.key {
+		wrong := func(format string, args ...any) {
 			bad++
 			if bad <= 10 {
-				t.Errorf("%s: %d effects %v; final answer %d %s (history %v)", run.key, len(effs), effs, run.final.status, run.final.body, run.history)
+				t.Errorf("%s: %s (%d effects %v; history %q)", run.key, fmt.Sprintf(format, args...), len(effs), effs, run.history)
 			}
+		}
+		if len(effs) != 1 {
+			wrong("the effect is stored %d times", len(effs))
 			continue
 		}
-		again := call(run.key, run.body)
-		if again.status != http.StatusCreated || !again.replayed || !bytes.Equal(bytes.TrimSpace(again.body), bytes.TrimSpace(run.final.body)) {
-			bad++
-			if bad <= 10 {
-				t.Errorf("%s: replay after the restarts %d replayed=%v %s, the client was answered %s", run.key, again.status, again.replayed, again.body, run.final.body)
+		// The function ran (and said so with a fresh 201) at most once; a
+		// key nobody was told ran must have had an attempt that did not
+		// say "nothing was done": otherwise a 503 lied.
+		if run.ran > 1 || (run.ran == 0 && !run.mayHaveRun) {
+			wrong("%d fresh 201s, and an attempt with an unknown outcome: %v", run.ran, run.mayHaveRun)
+		}
+		for c := 0; c < clients; c++ {
+			var got receipt
+			err := json.Unmarshal(run.final[c].body, &got)
+			if run.final[c].status != http.StatusCreated || err != nil || got.ID != effs[0].id || got.Order != run.key {
+				wrong("client %d was answered %d %s", c, run.final[c].status, run.final[c].body)
 			}
+		}
+		again := call(run.key, run.body)
+		if again.status != http.StatusCreated || !again.replayed || !bytes.Equal(bytes.TrimSpace(again.body), bytes.TrimSpace(run.final[0].body)) {
+			wrong("replay after the restarts %d replayed=%v %s, the client was answered %s", again.status, again.replayed, again.body, run.final[0].body)
 		}
 	}
 	if bad > 10 {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -145,6 +146,7 @@ func TestConsumerAndRelayThroughRealPostgresRestarts(t *testing.T) {
 	progress("warm-up", 60)
 	phase("restart -m fast", func() { pg.Restart("fast") })
 	phase("stop -m immediate, start (crash recovery)", func() { pg.Stop("immediate"); pg.Start() })
+	phase("a backend killed (crash restart by the postmaster)", func() { pg.CrashBackend() })
 	phase("stop -m fast, 3s down, start", func() {
 		pg.Stop("fast")
 		time.Sleep(3 * time.Second)
@@ -185,8 +187,11 @@ func TestConsumerAndRelayThroughRealPostgresRestarts(t *testing.T) {
 	if e := count(t, check, `SELECT count(*) FROM effects`); e != n {
 		t.Errorf("%d effects, %d records produced", e, n)
 	}
-	if out.get(idem.DeadLettered) != 0 || int64(out.get(idem.Applied)) != n {
-		t.Errorf("outcomes %v, want %d applied (a duplicate is allowed after a commit whose answer was lost)", out.snapshot(), n)
+	// A record whose COMMIT went through but whose answer was lost in the
+	// restart is seen again as a duplicate (its effect is not repeated, as
+	// checked above): applied plus duplicates cover every record.
+	if a, d := int64(out.get(idem.Applied)), int64(out.get(idem.Duplicate)); out.get(idem.DeadLettered) != 0 || a > n || a+d < n {
+		t.Errorf("outcomes %v for %d records: want none dead-lettered, each applied or (after a lost commit answer) a duplicate", out.snapshot(), n)
 	}
 	offs := committedOffsets(t, addrs, "g", "orders", partitions)
 	ends := endOffsets(t, addrs, "orders", partitions)
@@ -214,6 +219,9 @@ func TestConsumerAndRelayThroughRealPostgresRestarts(t *testing.T) {
 	dups := distinctInKeyOrder(t, addrs, "events", int(n), 0)
 	t.Logf("%d records; outcomes %v; %d duplicate events published; %s", n, out.snapshot(), dups, strings.Join(timings, "; "))
 	t.Logf("consumer logged %d lines, relay %d", logs.len(), relayLogs.len())
+	if os.Getenv("PGRESTART_LOGS") != "" {
+		t.Logf("consumer:\n%s\nrelay:\n%s", logs.tail(1000), relayLogs.tail(1000))
+	}
 }
 
 func (o *outcomes) snapshot() map[idem.Outcome]int {
