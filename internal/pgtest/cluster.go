@@ -250,3 +250,71 @@ func (c *Cluster) logTail() {
 	}
 	c.t.Logf("private cluster log (tail):\n%s", b)
 }
+
+// SyncStandbyNamed sets synchronous_standby_names (ALTER SYSTEM, reload) on
+// the server at url and waits until new sessions see it. Naming a standby
+// that never connects makes every COMMIT (synchronous_commit on) commit
+// locally and then wait: a commit that went through but has no answer yet,
+// for tests of what a restart or crash does to it. "" resets it.
+func SyncStandbyNamed(t testing.TB, url, name string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	stmt := "ALTER SYSTEM RESET synchronous_standby_names"
+	if name != "" {
+		stmt = "ALTER SYSTEM SET synchronous_standby_names = " + pgx.Identifier{name}.Sanitize()
+	}
+	if _, err := conn.Exec(ctx, stmt); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		c, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v string
+		err = c.QueryRow(ctx, "SHOW synchronous_standby_names").Scan(&v)
+		c.Close(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Trim(v, `"`) == name {
+			return
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("synchronous_standby_names is %q 30s after setting it to %q", v, name)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// WaitSyncRep waits until a session of the server at url waits for its
+// synchronous standby (a COMMIT done locally, not yet answered).
+func WaitSyncRep(t testing.TB, url string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	for {
+		var n int
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'").Scan(&n); err != nil {
+			t.Fatalf("no session waiting for its synchronous standby within 30s: %v", err)
+		}
+		if n > 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -27,41 +27,50 @@ import (
 // restart (every session ends with 57P01 admin_shutdown, commits in flight
 // end either way), a crash (pg_ctl stop -m immediate, then crash recovery;
 // 57P03 "starting up" while it recovers) and a stop of a few seconds
-// (connection refused). Each client retries a key until it gets an answer
-// that is not a 503 (a 409 in flight is retried too).
+// (connection refused), plus a backend killed with SIGKILL (the postmaster
+// ends every session with 57P02, recovers and reopens by itself). Each key
+// is sent at once by two clients, one to each of two instances of the
+// service on the database; each client retries until it gets an answer that
+// is not a 503 (a 409 in flight is retried too).
 //
-// Afterwards: every key's effect is stored exactly once; every key's final
-// answer is the stored one (the receipt of the one effect row) and a replay
-// now answers the same; every 503 on the way was problem+json with
+// Afterwards: every key's effect is stored exactly once; both clients'
+// final answers are the stored one (the receipt of the one effect row) and
+// a replay now answers the same; at most one answer per key was a fresh
+// 201, and a key answered only by replays had an attempt that said its
+// outcome was unknown (a 503 saying "nothing was done" for work that
+// committed would be a lie); every 503 on the way was problem+json with
 // Retry-After; no 500 and no other status; no request went unanswered
-// within 20s; the pool has no connection left acquired; and the engine kept
-// serving after each restart without being restarted.
+// within 20s; the pools have no connection left acquired; and the engines
+// kept serving after each restart without being restarted.
 func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	t.Parallel()
 	cl := pgtest.PrivateCluster(t)
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(cl.URL)
-	if err != nil {
-		t.Fatal(err)
+	// Two instances of the service (their own pools and engines) on the
+	// one database: a key's two clients go one to each, so the second waits
+	// for the key in the database (the claim's lock), not in the process.
+	newPool := func() *pgxpool.Pool {
+		cfg, err := pgxpool.ParseConfig(cl.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.MaxConns = 4
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		return pool
 	}
-	cfg.MaxConns = 6
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pools := []*pgxpool.Pool{newPool(), newPool()}
+	pool := pools[0]
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
 
 	var logs syncBuffer
-	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{
-		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	var calls atomic.Int64
 	charge := func(ctx context.Context, tx pgx.Tx, req chargeReq) (receipt, error) {
 		calls.Add(1)
@@ -76,8 +85,15 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 		}
 		return receipt{ID: id, Order: req.Order, Amount: req.Amount}, nil
 	}
-	url := serveReal(t, idem.Handle(engine, idem.Endpoint{Scope: "pgrestart", Route: "POST /charges",
-		Status: http.StatusCreated, Wait: 2 * time.Second}, charge)) + "/charges"
+	var urls []string
+	for _, p := range pools {
+		engine, err := idem.NewHTTP(idem.NewStore(p), idem.HTTPConfig{Logger: logger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		urls = append(urls, serveReal(t, idem.Handle(engine, idem.Endpoint{Scope: "pgrestart", Route: "POST /charges",
+			Status: http.StatusCreated, Wait: 2 * time.Second}, charge))+"/charges")
+	}
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 16}}
 	t.Cleanup(client.CloseIdleConnections)
@@ -90,7 +106,7 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 		err               error
 		took              time.Duration
 	}
-	call := func(key, body string) answer {
+	call := func(url, key, body string) answer {
 		rctx, cancel := context.WithTimeout(ctx, perRequest)
 		defer cancel()
 		req, _ := http.NewRequestWithContext(rctx, http.MethodPost, url, strings.NewReader(body))
@@ -142,7 +158,7 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	sendUntilAnswered := func(run *keyRun, c int) {
 		giveUp := time.Now().Add(90 * time.Second)
 		for {
-			a := call(run.key, run.body)
+			a := call(urls[c], run.key, run.body)
 			mu.Lock()
 			statuses[a.status]++
 			mu.Unlock()
@@ -305,7 +321,7 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 				wrong("client %d was answered %d %s", c, run.final[c].status, run.final[c].body)
 			}
 		}
-		again := call(run.key, run.body)
+		again := call(urls[1], run.key, run.body)
 		if again.status != http.StatusCreated || !again.replayed || !bytes.Equal(bytes.TrimSpace(again.body), bytes.TrimSpace(run.final[0].body)) {
 			wrong("replay after the restarts %d replayed=%v %s, the client was answered %s", again.status, again.replayed, again.body, run.final[0].body)
 		}
@@ -318,12 +334,14 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	}
 	// Nothing left holding a connection: every request returned it.
 	deadline := time.Now().Add(10 * time.Second)
-	for pool.Stat().AcquiredConns() != 0 {
-		if time.Now().After(deadline) {
-			t.Errorf("%d pool connections still acquired 10s after the load ended", pool.Stat().AcquiredConns())
-			break
+	for _, p := range pools {
+		for p.Stat().AcquiredConns() != 0 {
+			if time.Now().After(deadline) {
+				t.Errorf("%d pool connections still acquired 10s after the load ended", p.Stat().AcquiredConns())
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 	// What the engine logged: storage failures and unknown commits are
 	// expected around a restart; a "handler failed" (a 500) is not.
@@ -348,4 +366,93 @@ func firstLines(s, sub string, n int) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// A COMMIT that went through on the server, whose answer never reached the
+// service because the server went down right then: the transaction is
+// committed locally and waits for a synchronous standby that never comes
+// (synchronous_standby_names names none), and the server is restarted fast
+// or crashed during that wait. The client must not be told "nothing was
+// done": it is a 503 saying the outcome is unknown, and its retry with the
+// key replays the committed response, the effect stored once.
+func TestHTTPCommitUnansweredAcrossRestart(t *testing.T) {
+	t.Parallel()
+	cl := pgtest.PrivateCluster(t)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, cl.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
+	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := serveReal(t, idem.Handle(engine, idem.Endpoint{Scope: "pgrestart", Route: "POST /charges", Status: http.StatusCreated},
+		func(ctx context.Context, tx pgx.Tx, req chargeReq) (receipt, error) {
+			var id int64
+			err := tx.QueryRow(ctx, `INSERT INTO effects (order_id, amount) VALUES ($1, $2) RETURNING id`, req.Order, req.Amount).Scan(&id)
+			return receipt{ID: id, Order: req.Order, Amount: req.Amount}, err
+		})) + "/charges"
+
+	for _, mode := range []string{"fast", "immediate"} {
+		key := "k-" + mode
+		body := fmt.Sprintf(`{"order":%q,"amount":1}`, key)
+		pgtest.SyncStandbyNamed(t, cl.URL, "phantom")
+		answered := make(chan [3]string, 1)
+		go func() {
+			st, h, b := callWithin(t, 60*time.Second, "POST", url, key, body)
+			answered <- [3]string{fmt.Sprint(st), h.Get("Retry-After"), b}
+		}()
+		pgtest.WaitSyncRep(t, cl.URL)
+		if mode == "fast" {
+			cl.Restart("fast")
+		} else {
+			cl.Stop("immediate")
+			cl.Start()
+		}
+		var got [3]string
+		select {
+		case got = <-answered:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s: no answer 30s after the restart", mode)
+		}
+		pgtest.SyncStandbyNamed(t, cl.URL, "")
+		var p struct{ Title string }
+		_ = json.Unmarshal([]byte(got[2]), &p)
+		if got[0] != "503" || got[1] == "" || p.Title != "Outcome unknown" {
+			t.Errorf("%s: a commit that went through, its answer lost: %s Retry-After %q %s; want a 503 \"Outcome unknown\"", mode, got[0], got[1], got[2])
+		}
+		n := countOn(t, cl.URL, `SELECT count(*) FROM effects WHERE order_id = $1`, key)
+		st, h, b := callWithin(t, 20*time.Second, "POST", url, key, body)
+		var r receipt
+		_ = json.Unmarshal([]byte(b), &r)
+		id := countOn(t, cl.URL, `SELECT coalesce(max(id), 0) FROM effects WHERE order_id = $1`, key)
+		if n != 1 || st != http.StatusCreated || h.Get("Idempotent-Replayed") == "" || r.ID != id {
+			t.Errorf("%s: %d effects committed before the retry (want 1: the commit went through); retry %d replayed=%q %s, effect id %d",
+				mode, n, st, h.Get("Idempotent-Replayed"), b, id)
+		}
+	}
+}
+
+// countOn runs a one-value query on a new connection to url (the test's
+// pools may hold connections the last restart ended).
+func countOn(t *testing.T, url, sql string, args ...any) int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var n int64
+	if err := conn.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
 }
