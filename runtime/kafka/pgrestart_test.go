@@ -250,3 +250,79 @@ func (c *capture) len() int {
 	defer c.mu.Unlock()
 	return len(c.lines)
 }
+
+// A record whose COMMIT went through on the server but whose answer never
+// reached the consumer, because the server was restarted fast or crashed
+// while the commit waited for a synchronous standby (see
+// pgtest.SyncStandbyNamed): with a retry budget of one attempt, the record
+// is neither dead-lettered nor applied twice; redelivered after the
+// restart, it is a duplicate, and the offset moves past it.
+func TestConsumerCommitUnansweredAcrossRestart(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"fast", "immediate"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			addrs := cluster(t, 1, "orders")
+			pg := pgtest.PrivateCluster(t)
+			ctx := context.Background()
+			pool, err := pgxpool.New(ctx, pg.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+			var out outcomes
+			var logs capture
+			cfg := kafka.ConsumerConfig{
+				Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)},
+				Retry:          idem.RetryPolicy{MaxAttempts: 1},
+				Outage:         idem.Backoff{Initial: 20 * time.Millisecond, Max: 300 * time.Millisecond},
+				StorageTimeout: 20 * time.Second, // longer than the wait below: the restart ends the commit, not a timeout
+				Logger:         slog.New(&logs),
+			}
+			pgtest.SyncStandbyNamed(t, pg.URL, "phantom")
+			r := startConsumer(t, pool, cfg, &out)
+			produce(t, producer(t, addrs), orderRecord("orders", order{EventID: "e-1", Amount: 1}))
+			pgtest.WaitSyncRep(t, pg.URL)
+			if mode == "fast" {
+				pg.Restart("fast")
+			} else {
+				pg.Stop("immediate")
+				pg.Start()
+			}
+			pgtest.SyncStandbyNamed(t, pg.URL, "")
+			produce(t, producer(t, addrs), orderRecord("orders", order{EventID: "e-2", Amount: 2}))
+			waitBounded(t, 30*time.Second, "both records done after the restart", func() bool {
+				return out.get(idem.Applied)+out.get(idem.Duplicate)+out.get(idem.DeadLettered) >= 2
+			})
+			r.shutdown(t)
+			check := newCheckPool(t, pg.URL)
+			if d := count(t, check, `SELECT count(*) FROM idem_dead_letters`); d != 0 || out.get(idem.DeadLettered) != 0 {
+				t.Errorf("%d dead letters (outcomes %v): a commit whose answer the restart lost was charged to the record", d, out.snapshot())
+			}
+			if e := count(t, check, `SELECT count(*) FROM effects WHERE event_id = 'e-1'`); e != 1 {
+				t.Errorf("e-1 applied %d times", e)
+			}
+			if out.get(idem.Duplicate) != 1 || out.get(idem.Applied) != 1 {
+				t.Errorf("outcomes %v, want e-1 a duplicate (its commit went through) and e-2 applied", out.snapshot())
+			}
+			if got := committedOffsets(t, addrs, "g", "orders", 1)[0]; got != 2 {
+				t.Errorf("committed offset %d, want 2", got)
+			}
+			t.Logf("consumer log:\n%s", logs.tail(10))
+		})
+	}
+}
+
+func newCheckPool(t *testing.T, url string) *pgxpool.Pool {
+	t.Helper()
+	p, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
