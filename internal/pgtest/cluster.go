@@ -1,0 +1,320 @@
+package pgtest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// BinDir holds the PostgreSQL server binaries PrivateCluster runs
+// (initdb, pg_ctl, postgres). PGBIN overrides it.
+const BinDir = "/usr/lib/postgresql/15/bin"
+
+// Cluster is a PostgreSQL server of the test's own (initdb'd into a
+// temporary directory), which the test may stop, crash and restart without
+// disturbing any other test. Create it with PrivateCluster.
+type Cluster struct {
+	// URL connects to the cluster's database "postgres" over TCP on
+	// 127.0.0.1 as the superuser postgres (trust).
+	URL string
+	// Port is the TCP port the cluster listens on.
+	Port int
+
+	t    testing.TB
+	bin  string
+	dir  string // the temporary directory: data/, sock/, server.log
+	data string
+	log  string
+	cred *syscall.Credential // the postgres user's when we run as root
+
+	mu sync.Mutex // serializes pg_ctl
+}
+
+// PrivateCluster initdb's and starts a private PostgreSQL server (fsync off)
+// on a free port of 127.0.0.1, with its unix socket in its own directory.
+// When the test ends it is stopped (immediate) and its directory removed,
+// whether the test passed or not; if the test failed, the tail of the
+// server's log is logged first. Missing binaries fail the test (they are
+// never a reason to skip). As root (initdb refuses to run as root) the
+// server runs as the user postgres.
+func PrivateCluster(t testing.TB) *Cluster {
+	t.Helper()
+	bin := BinDir
+	if b := os.Getenv("PGBIN"); b != "" {
+		bin = b
+	}
+	for _, name := range []string{"initdb", "pg_ctl", "postgres"} {
+		if _, err := os.Stat(filepath.Join(bin, name)); err != nil {
+			t.Fatalf("pgtest.PrivateCluster needs the PostgreSQL server binaries in %s (set PGBIN): %v", bin, err)
+		}
+	}
+	dir, err := os.MkdirTemp("", "pgtest-cluster-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &Cluster{t: t, bin: bin, dir: dir, data: filepath.Join(dir, "data"), log: filepath.Join(dir, "server.log")}
+	t.Cleanup(func() {
+		if t.Failed() {
+			c.logTail()
+		}
+		_, _ = c.pgCtl(60*time.Second, "stop", "-m", "immediate", "-w")
+		_ = os.RemoveAll(dir)
+	})
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			t.Fatalf("pgtest.PrivateCluster runs as root, so the server must run as the user postgres (initdb refuses root): %v", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		c.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+		if err := os.Chown(dir, uid, gid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sock := filepath.Join(dir, "sock")
+	for _, d := range []string{sock} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if c.cred != nil {
+			if err := os.Chown(d, int(c.cred.Uid), int(c.cred.Gid)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if out, err := c.run(2*time.Minute, filepath.Join(bin, "initdb"), "-D", c.data, "-U", "postgres",
+		"-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
+		t.Fatalf("initdb: %v\n%s", err, out)
+	}
+	c.Port = freePort(t)
+	conf := fmt.Sprintf("\nlisten_addresses = '127.0.0.1'\nport = %d\nunix_socket_directories = '%s'\n"+
+		"fsync = off\nsynchronous_commit = on\nfull_page_writes = off\nmax_connections = 100\n"+
+		"shared_buffers = 32MB\nlog_min_messages = warning\nlog_line_prefix = '%%m [%%p] '\n", c.Port, sock)
+	f, err := os.OpenFile(filepath.Join(c.data, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteString(conf); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", c.Port)
+	c.Start()
+	return c
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// run runs a server binary as the cluster's user, bounded by limit.
+func (c *Cluster) run(limit time.Duration, name string, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir = c.dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C", "LANG=C")
+	if c.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	return out.Bytes(), err
+}
+
+func (c *Cluster) pgCtl(limit time.Duration, args ...string) ([]byte, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	args = append([]string{"-D", c.data, "-l", c.log, "-t", strconv.Itoa(int(limit / time.Second))}, args...)
+	return c.run(limit+10*time.Second, filepath.Join(c.bin, "pg_ctl"), args...)
+}
+
+func (c *Cluster) must(what string, args ...string) {
+	c.t.Helper()
+	if out, err := c.pgCtl(60*time.Second, args...); err != nil {
+		c.logTail()
+		c.t.Fatalf("pg_ctl %s: %v\n%s", what, err, out)
+	}
+}
+
+// Start starts the server and waits until it accepts connections (after
+// crash recovery, if it was crashed).
+func (c *Cluster) Start() {
+	c.t.Helper()
+	c.must("start", "start", "-w")
+	c.waitReady()
+}
+
+// Stop stops the server with the shutdown mode: "smart", "fast" (every
+// session ends with 57P01 admin_shutdown, open transactions roll back) or
+// "immediate" (a crash: no checkpoint, the next start runs crash recovery).
+func (c *Cluster) Stop(mode string) {
+	c.t.Helper()
+	c.must("stop -m "+mode, "stop", "-m", mode, "-w")
+}
+
+// Restart is pg_ctl restart with the shutdown mode (see Stop).
+func (c *Cluster) Restart(mode string) {
+	c.t.Helper()
+	c.must("restart -m "+mode, "restart", "-m", mode, "-w")
+	c.waitReady()
+}
+
+// CrashBackend kills (SIGKILL) the backend of a new session: the postmaster
+// then ends every other session (57P02 crash_shutdown), runs crash recovery
+// and accepts connections again by itself (restart_after_crash), refusing
+// them with 57P03 meanwhile. It returns once the server answers again.
+func (c *Cluster) CrashBackend() {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, c.URL)
+	if err != nil {
+		c.t.Fatalf("connect to crash a backend: %v", err)
+	}
+	defer conn.Close(context.Background())
+	var pid int
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		c.t.Fatalf("backend pid: %v", err)
+	}
+	before := strings.Count(c.Log(), "reinitializing")
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		c.t.Fatalf("kill backend %d: %v", pid, err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for strings.Count(c.Log(), "reinitializing") == before {
+		if time.Now().After(deadline) {
+			c.logTail()
+			c.t.Fatalf("the postmaster did not reinitialize within 30s of backend %d's crash", pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	c.waitReady()
+}
+
+// waitReady polls until a connection runs a query (pg_ctl -w already waits;
+// this also covers a server still finishing recovery).
+func (c *Cluster) waitReady() {
+	c.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		conn, err := pgx.Connect(ctx, c.URL)
+		if err == nil {
+			_, err = conn.Exec(ctx, "SELECT 1")
+			conn.Close(ctx)
+		}
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			c.logTail()
+			c.t.Fatalf("private cluster not ready after 60s: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Log returns the server's log so far.
+func (c *Cluster) Log() string {
+	b, _ := os.ReadFile(c.log)
+	return string(b)
+}
+
+func (c *Cluster) logTail() {
+	b := []byte(c.Log())
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	c.t.Logf("private cluster log (tail):\n%s", b)
+}
+
+// SyncStandbyNamed sets synchronous_standby_names (ALTER SYSTEM, reload) on
+// the server at url and waits until new sessions see it. Naming a standby
+// that never connects makes every COMMIT (synchronous_commit on) commit
+// locally and then wait: a commit that went through but has no answer yet,
+// for tests of what a restart or crash does to it. "" resets it.
+func SyncStandbyNamed(t testing.TB, url, name string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	stmt := "ALTER SYSTEM RESET synchronous_standby_names"
+	if name != "" {
+		stmt = "ALTER SYSTEM SET synchronous_standby_names = " + pgx.Identifier{name}.Sanitize()
+	}
+	if _, err := conn.Exec(ctx, stmt); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		c, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v string
+		err = c.QueryRow(ctx, "SHOW synchronous_standby_names").Scan(&v)
+		c.Close(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Trim(v, `"`) == name {
+			return
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("synchronous_standby_names is %q 30s after setting it to %q", v, name)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// WaitSyncRep waits until a session of the server at url waits for its
+// synchronous standby (a COMMIT done locally, not yet answered).
+func WaitSyncRep(t testing.TB, url string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	for {
+		var n int
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'").Scan(&n); err != nil {
+			t.Fatalf("no session waiting for its synchronous standby within 30s: %v", err)
+		}
+		if n > 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
