@@ -19,9 +19,33 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// BinDir holds the PostgreSQL server binaries PrivateCluster runs
-// (initdb, pg_ctl, postgres). PGBIN overrides it.
-const BinDir = "/usr/lib/postgresql/15/bin"
+// BinDir finds the PostgreSQL server binaries PrivateCluster runs (initdb,
+// pg_ctl, postgres): $PGBIN if set, else the newest Debian-style
+// /usr/lib/postgresql/<major>/bin holding initdb, else the directory of the
+// initdb on $PATH. "" when none is found.
+func BinDir() string {
+	if b := os.Getenv("PGBIN"); b != "" {
+		return b
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	best, bestMajor := "", -1
+	for _, d := range dirs {
+		major, err := strconv.Atoi(filepath.Base(filepath.Dir(d)))
+		if err != nil || major <= bestMajor {
+			continue
+		}
+		if _, err := os.Stat(filepath.Join(d, "initdb")); err == nil {
+			best, bestMajor = d, major
+		}
+	}
+	if best != "" {
+		return best
+	}
+	if p, err := exec.LookPath("initdb"); err == nil {
+		return filepath.Dir(p)
+	}
+	return ""
+}
 
 // Cluster is a PostgreSQL server of the test's own (initdb'd into a
 // temporary directory), which the test may stop, crash and restart without
@@ -52,9 +76,9 @@ type Cluster struct {
 // server runs as the user postgres.
 func PrivateCluster(t testing.TB) *Cluster {
 	t.Helper()
-	bin := BinDir
-	if b := os.Getenv("PGBIN"); b != "" {
-		bin = b
+	bin := BinDir()
+	if bin == "" {
+		t.Fatal("pgtest.PrivateCluster needs the PostgreSQL server binaries (initdb, pg_ctl, postgres): none in /usr/lib/postgresql/*/bin or on $PATH; set PGBIN")
 	}
 	for _, name := range []string{"initdb", "pg_ctl", "postgres"} {
 		if _, err := os.Stat(filepath.Join(bin, name)); err != nil {
