@@ -39,6 +39,22 @@ func TestSecondSigtermEndsAtOnce(t *testing.T) {
 	}
 }
 
+// A SIGTERM and an interrupt sent together (an operator's double Ctrl-C,
+// an orchestrator's TERM with a supervisor's INT) end the process at once:
+// the second is not swallowed while the first is being taken. The old
+// signal.NotifyContext (a buffer of 1, reset only after ctx was done)
+// dropped the second whenever it came before that reset.
+func TestTwoSignalsTogetherEndAtOnce(t *testing.T) {
+	c := startChild(t, pgtest.Schema(t), "NOT_READY_DELAY=60s")
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	_ = c.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-c.exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second signal was swallowed: still running 10s later (NOT_READY_DELAY is 60s)")
+	}
+}
+
 // STARTUP_TIMEOUT=0 is a configuration error said as such, not a start-up
 // that fails at once blaming an unreachable database.
 func TestStartupTimeoutZeroIsRejected(t *testing.T) {

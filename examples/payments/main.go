@@ -42,12 +42,8 @@ var schema string
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := shutdownSignals()
 	defer stop()
-	// The first signal starts a graceful shutdown (NOT_READY_DELAY, then
-	// DRAIN_TIMEOUT); a second one ends the process at once (the default
-	// action): what is in flight rolls back, as after a crash.
-	go func() { <-ctx.Done(); stop() }()
 	cmd := "demo"
 	if len(os.Args) > 1 {
 		cmd = os.Args[1]
@@ -309,4 +305,31 @@ func relay(ctx context.Context) error {
 		defer closeRelay()
 		return r.Run(ctx)
 	})
+}
+
+// shutdownSignals returns a context cancelled by the first SIGTERM or
+// interrupt, which starts a graceful shutdown (NOT_READY_DELAY, then
+// DRAIN_TIMEOUT); a second one ends the process at once, by the signal's
+// default action: what is in flight rolls back, as after a crash. Both
+// signals stay caught until the second (a buffer of 2: neither is lost
+// when they come together), so there is no moment between the two in which
+// a second signal would be swallowed (signal.NotifyContext with stop called
+// after ctx.Done left one: a signal sent when readiness already showed the
+// shutdown could still land in the first's channel and be ignored).
+func shutdownSignals() (context.Context, func()) {
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-sigs
+		cancel()
+		sig := <-sigs
+		signal.Reset(os.Interrupt, syscall.SIGTERM)
+		if p, err := os.FindProcess(os.Getpid()); err == nil {
+			_ = p.Signal(sig)
+		}
+		time.Sleep(time.Second) // the default action ends the process before this returns
+		os.Exit(2)
+	}()
+	return ctx, func() { signal.Stop(sigs); cancel() }
 }
