@@ -324,12 +324,21 @@ func shutdownSignals() (context.Context, func()) {
 		<-sigs
 		cancel()
 		sig := <-sigs
-		signal.Reset(os.Interrupt, syscall.SIGTERM)
-		if p, err := os.FindProcess(os.Getpid()); err == nil {
-			_ = p.Signal(sig)
+		code := 128 + 2 // SIGINT's, as a shell reports a process it killed
+		if s, ok := sig.(syscall.Signal); ok {
+			code = 128 + int(s)
 		}
-		time.Sleep(time.Second) // the default action ends the process before this returns
-		os.Exit(2)
+		// As PID 1 (a container without an init) a signal's default action
+		// does not apply, and a SIGINT ignored at start stays ignored after
+		// Reset: the exit below ends the process then.
+		if os.Getpid() != 1 {
+			signal.Reset(os.Interrupt, syscall.SIGTERM)
+			if p, err := os.FindProcess(os.Getpid()); err == nil {
+				_ = p.Signal(sig)
+			}
+			time.Sleep(50 * time.Millisecond) // the default action ends the process before this returns
+		}
+		os.Exit(code)
 	}()
 	return ctx, func() { signal.Stop(sigs); cancel() }
 }
