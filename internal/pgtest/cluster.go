@@ -237,6 +237,36 @@ func (c *Cluster) CrashBackend() {
 	c.waitReady()
 }
 
+// Disruptions runs, one after the other, the four ways the tests take the
+// server away: a fast restart, an immediate stop and a start (crash
+// recovery), a crashed backend (the postmaster's own restart), and a fast
+// stop with 3s down before the start. After each, recovered(name) checks
+// that the work under test goes on (it fails the test otherwise). It
+// returns each disruption's time, the check included, for the test's log.
+func (c *Cluster) Disruptions(recovered func(name string)) []string {
+	c.t.Helper()
+	var timings []string
+	for _, d := range []struct {
+		name string
+		do   func()
+	}{
+		{"restart -m fast", func() { c.Restart("fast") }},
+		{"stop -m immediate, start (crash recovery)", func() { c.Stop("immediate"); c.Start() }},
+		{"a backend killed (crash restart by the postmaster)", c.CrashBackend},
+		{"stop -m fast, 3s down, start", func() {
+			c.Stop("fast")
+			time.Sleep(3 * time.Second)
+			c.Start()
+		}},
+	} {
+		start := time.Now()
+		d.do()
+		recovered(d.name)
+		timings = append(timings, fmt.Sprintf("%s: %v", d.name, time.Since(start).Round(time.Millisecond)))
+	}
+	return timings
+}
+
 // waitReady polls until a connection runs a query (pg_ctl -w already waits;
 // this also covers a server still finishing recovery).
 func (c *Cluster) waitReady() {

@@ -243,23 +243,8 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	var timings []string
-	phase := func(name string, f func()) {
-		t.Helper()
-		start := time.Now()
-		f()
-		progress(name, 30)
-		timings = append(timings, fmt.Sprintf("%s: %v", name, time.Since(start).Round(time.Millisecond)))
-	}
 	progress("warm-up", 30)
-	phase("restart -m fast", func() { cl.Restart("fast") })
-	phase("stop -m immediate, start (crash recovery)", func() { cl.Stop("immediate"); cl.Start() })
-	phase("a backend killed (crash restart by the postmaster)", func() { cl.CrashBackend() })
-	phase("stop -m fast, 3s down, start", func() {
-		cl.Stop("fast")
-		time.Sleep(3 * time.Second)
-		cl.Start()
-	})
+	timings := cl.Disruptions(func(name string) { progress(name, 30) })
 	stopLoad()
 
 	mu.Lock()

@@ -135,23 +135,8 @@ func TestConsumerAndRelayThroughRealPostgresRestarts(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	var timings []string
-	phase := func(name string, f func()) {
-		t.Helper()
-		start := time.Now()
-		f()
-		progress(name, 60)
-		timings = append(timings, fmt.Sprintf("%s: %v", name, time.Since(start).Round(time.Millisecond)))
-	}
 	progress("warm-up", 60)
-	phase("restart -m fast", func() { pg.Restart("fast") })
-	phase("stop -m immediate, start (crash recovery)", func() { pg.Stop("immediate"); pg.Start() })
-	phase("a backend killed (crash restart by the postmaster)", func() { pg.CrashBackend() })
-	phase("stop -m fast, 3s down, start", func() {
-		pg.Stop("fast")
-		time.Sleep(3 * time.Second)
-		pg.Start()
-	})
+	timings := pg.Disruptions(func(name string) { progress(name, 60) })
 	close(stopProducing)
 	if err := <-producerDone; err != nil {
 		t.Fatalf("produce: %v", err)
