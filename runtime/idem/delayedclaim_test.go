@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -29,16 +28,7 @@ import (
 func TestDelayedClaimAfterPurge(t *testing.T) {
 	for _, purge := range []bool{true, false} {
 		t.Run(map[bool]string{true: "purged", false: "not purged"}[purge], func(t *testing.T) {
-			dbURL := pgtest.Schema(t)
-			admin, err := pgxpool.New(context.Background(), dbURL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(admin.Close)
-			if err := idem.Migrate(context.Background(), admin); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL, ran_at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+			dbURL, admin := stormSchema(t)
 			ttl := time.Second
 			ep := idem.Endpoint{Scope: "storm", Route: "POST /storm", TTL: ttl, Wait: 10 * time.Second}
 			var calls atomic.Int64

@@ -76,6 +76,24 @@ func stormReplica(t *testing.T, dbURL string, cfg idem.HTTPConfig, ep idem.Endpo
 	return srv
 }
 
+// stormSchema is a new schema with idem's tables and storm_effects, where
+// the functions of stormReplica record their runs; it returns the schema's
+// URL and a pool on it for the test's own queries.
+func stormSchema(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	dbURL := pgtest.Schema(t)
+	admin, err := pgxpool.New(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(admin.Close)
+	if err := idem.Migrate(context.Background(), admin); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL, ran_at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+	return dbURL, admin
+}
+
 // stormApp is the application_name of the test's replicas' connections,
 // for a killer to find them.
 func stormApp(t *testing.T) string { return fmt.Sprintf("storm-%p", t) }
@@ -107,16 +125,7 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 	for _, lv := range levels {
 		t.Run(lv.name, func(t *testing.T) {
 			t.Parallel()
-			dbURL := pgtest.Schema(t)
-			admin, err := pgxpool.New(context.Background(), dbURL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(admin.Close)
-			if err := idem.Migrate(context.Background(), admin); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL, ran_at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+			dbURL, admin := stormSchema(t)
 			ttl := cmp.Or(lv.ttl, 40*time.Millisecond)
 			ep := idem.Endpoint{Scope: "storm", Route: "POST /storm", TTL: ttl, Wait: 3 * time.Second}
 			var calls atomic.Int64
@@ -394,16 +403,7 @@ func TestAttackMixedVersionReplicas(t *testing.T) {
 	for _, ttl := range []time.Duration{time.Hour, 30 * time.Millisecond} {
 		t.Run(ttl.String(), func(t *testing.T) {
 			t.Parallel()
-			dbURL := pgtest.Schema(t)
-			admin, err := pgxpool.New(context.Background(), dbURL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(admin.Close)
-			if err := idem.Migrate(context.Background(), admin); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, admin, `CREATE TABLE storm_effects (id bigserial PRIMARY KEY, key text NOT NULL, tx_start timestamptz NOT NULL, ran_at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+			dbURL, admin := stormSchema(t)
 			ep := idem.Endpoint{Scope: "storm", Route: "POST /storm", TTL: ttl, Wait: 3 * time.Second}
 			var calls atomic.Int64
 			srvs := []*httptest.Server{
