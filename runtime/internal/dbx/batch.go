@@ -77,9 +77,9 @@ func beginSQL(opts pgx.TxOptions) string {
 // tells whether an expired row is being taken over: such a row is locked
 // before ClaimKeyRestore returns, in a second round trip, lockTakenOver,
 // whose lock wait is bounded by what is left of lockTimeout, counted from
-// since, when the transaction's BEGIN set it). Otherwise found reports whether row, the key's row, exists:
-// live, it is the stored response; absent or expired, the key is in flight
-// in another transaction. GetKey runs after ClaimKey took the lock, so under
+// since, when the transaction's BEGIN set it). Otherwise found reports
+// whether row, the key's row, exists: live, it is the stored response;
+// absent or expired, the key is in flight in another transaction. GetKey runs after ClaimKey took the lock, so under
 // read committed its fresh snapshot sees a row committed by the lock's
 // previous holder; under an older snapshot rowCheck (SnapshotBeforeClaim)
 // adds ClaimKeyRow, which fails with 40001 on such a row. For a live row (a
