@@ -72,7 +72,14 @@ func Pool(t testing.TB) *pgxpool.Pool {
 // PoolConfig is Pool with a hook to adjust the pool's configuration.
 func PoolConfig(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(Schema(t))
+	return PoolURL(t, Schema(t), configure)
+}
+
+// PoolURL is a pool on url (a Schema's, a PrivateCluster's), configured by
+// configure when not nil, closed when the test ends.
+func PoolURL(t testing.TB, url string, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatalf("parse config: %v", err)
 	}

@@ -50,17 +50,7 @@ func TestHTTPThroughRealPostgresRestarts(t *testing.T) {
 	// one database: a key's two clients go one to each, so the second waits
 	// for the key in the database (the claim's lock), not in the process.
 	newPool := func() *pgxpool.Pool {
-		cfg, err := pgxpool.ParseConfig(cl.URL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.MaxConns = 4
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pool.Close)
-		return pool
+		return pgtest.PoolURL(t, cl.URL, func(c *pgxpool.Config) { c.MaxConns = 4 })
 	}
 	pools := []*pgxpool.Pool{newPool(), newPool()}
 	pool := pools[0]
@@ -364,11 +354,7 @@ func TestHTTPCommitUnansweredAcrossRestart(t *testing.T) {
 	t.Parallel()
 	cl := pgtest.PrivateCluster(t)
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, cl.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := pgtest.PoolURL(t, cl.URL, nil)
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}

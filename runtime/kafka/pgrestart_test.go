@@ -38,17 +38,7 @@ func TestConsumerAndRelayThroughRealPostgresRestarts(t *testing.T) {
 	pg := pgtest.PrivateCluster(t)
 	ctx := context.Background()
 	newPool := func() *pgxpool.Pool {
-		cfg, err := pgxpool.ParseConfig(pg.URL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.MaxConns = 6
-		p, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(p.Close)
-		return p
+		return pgtest.PoolURL(t, pg.URL, func(c *pgxpool.Config) { c.MaxConns = 6 })
 	}
 	check, consumerPool, relayPool := newPool(), newPool(), newPool()
 	if err := idem.Migrate(ctx, check); err != nil {
@@ -250,11 +240,7 @@ func TestConsumerCommitUnansweredAcrossRestart(t *testing.T) {
 			addrs := cluster(t, 1, "orders")
 			pg := pgtest.PrivateCluster(t)
 			ctx := context.Background()
-			pool, err := pgxpool.New(ctx, pg.URL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := pgtest.PoolURL(t, pg.URL, nil)
 			if err := idem.Migrate(ctx, pool); err != nil {
 				t.Fatal(err)
 			}
@@ -284,7 +270,7 @@ func TestConsumerCommitUnansweredAcrossRestart(t *testing.T) {
 				return out.get(idem.Applied)+out.get(idem.Duplicate)+out.get(idem.DeadLettered) >= 2
 			})
 			r.shutdown(t)
-			check := newCheckPool(t, pg.URL)
+			check := pgtest.PoolURL(t, pg.URL, nil)
 			if d := count(t, check, `SELECT count(*) FROM idem_dead_letters`); d != 0 || out.get(idem.DeadLettered) != 0 {
 				t.Errorf("%d dead letters (outcomes %v): a commit whose answer the restart lost was charged to the record", d, out.snapshot())
 			}
@@ -300,14 +286,4 @@ func TestConsumerCommitUnansweredAcrossRestart(t *testing.T) {
 			t.Logf("consumer log:\n%s", logs.tail(10))
 		})
 	}
-}
-
-func newCheckPool(t *testing.T, url string) *pgxpool.Pool {
-	t.Helper()
-	p, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Close)
-	return p
 }
