@@ -15,8 +15,9 @@ import (
 // CPU is CPU time (user + system) used so far: by this process (the
 // client: the handlers, pgx, the benchmark's goroutines) and by a set of
 // PostgreSQL backends (the server side of one pool's connections), read
-// from getrusage and /proc/<pid>/stat. Other sessions' backends are not
-// counted, so other work on a shared server does not pollute it.
+// from getrusage and /proc/<pid>/schedstat (see procCPU). Other sessions'
+// backends are not counted, so other work on a shared server does not
+// pollute it.
 type CPU struct {
 	Client, Server time.Duration
 }
@@ -24,8 +25,10 @@ type CPU struct {
 // Sub is c − d.
 func (c CPU) Sub(d CPU) CPU { return CPU{Client: c.Client - d.Client, Server: c.Server - d.Server} }
 
-// ReadCPU reads the CPU time of this process and of the backends pids.
-// /proc counts in clock ticks (10 ms): measure over enough work.
+// ReadCPU reads the CPU time of this process and of the backends pids
+// (PostgreSQL backends: one thread each, see procCPU). getrusage counts in
+// microseconds, a backend's schedstat in nanoseconds (in 10 ms clock ticks
+// where the kernel has no schedstat: measure over enough work).
 func ReadCPU(pids []int32) CPU {
 	var ru syscall.Rusage
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
@@ -39,8 +42,41 @@ func ReadCPU(pids []int32) CPU {
 // clockTick is the unit of /proc/<pid>/stat's times (USER_HZ, 100 on Linux).
 const clockTick = 10 * time.Millisecond
 
-// procCPU is utime + stime of process pid, 0 if it cannot be read.
+// procCPU is the CPU time backend pid has used, 0 if it cannot be read:
+// from /proc/<pid>/schedstat (nanoseconds on the CPU) when the kernel has
+// it, else utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms.
+// The ticks were too coarse for the server-CPU rows: a block of 1,000
+// transactions of ~100 µs of backend CPU is ~10 ticks, ±1 each end. A
+// backend is one thread, so its schedstat (the thread's) is the process's;
+// not so for a multi-threaded process, which this is not for.
 func procCPU(pid int32) time.Duration {
+	if d, ok := schedCPU(pid); ok {
+		return d
+	}
+	return statCPU(pid)
+}
+
+// schedCPU is the first field of /proc/<pid>/schedstat: time spent on the
+// CPU, in nanoseconds.
+func schedCPU(pid int32) (time.Duration, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(int(pid)) + "/schedstat")
+	if err != nil {
+		return 0, false
+	}
+	f := bytes.Fields(b)
+	if len(f) < 1 {
+		return 0, false
+	}
+	ns, err := strconv.ParseInt(string(f[0]), 10, 64)
+	if err != nil {
+		return 0, false
+	}
+	return time.Duration(ns), true
+}
+
+// statCPU is utime + stime of process pid from /proc/<pid>/stat, 0 if it
+// cannot be read.
+func statCPU(pid int32) time.Duration {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(int(pid)) + "/stat")
 	if err != nil {
 		return 0
