@@ -276,7 +276,7 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 		h.logger = slog.Default()
 	}
 	h.tel = telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
-	h.flights.waited = func(ctx context.Context) { h.tel.HTTPWaited(ctx, endpointName(ctx)) }
+	h.flights.waited = func(ctx context.Context) { endpointTel(ctx).Waited(ctx) }
 	return h, nil
 }
 
@@ -306,8 +306,9 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 	if name == "" {
 		name = ep.Scope
 	}
+	tel := h.tel.HTTPEndpoint(name, ep.Scope)
 	return endpointHandler{method: method, serve: func(w http.ResponseWriter, r *http.Request) {
-		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
+		ctx, done := tel.Start(context.WithValue(r.Context(), endpointCtx{}, tel))
 		r = r.WithContext(ctx)
 		w = &statusRecorder{ResponseWriter: w}
 		defer func() {
@@ -368,12 +369,12 @@ type endpointHandler struct {
 
 func (e endpointHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) { e.serve(w, r) }
 
-// endpointCtx carries the endpoint's name to instruments deep in serve.
+// endpointCtx carries the endpoint's instruments to serve and flights.
 type endpointCtx struct{}
 
-func endpointName(ctx context.Context) string {
-	s, _ := ctx.Value(endpointCtx{}).(string)
-	return s
+func endpointTel(ctx context.Context) *telemetry.HTTPEndpoint {
+	e, _ := ctx.Value(endpointCtx{}).(*telemetry.HTTPEndpoint)
+	return e
 }
 
 // statusRecorder remembers what Handle answered, for the outcome attribute:
@@ -600,7 +601,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 				return nil, errInFlight
 			}
 			if !polled {
-				h.tel.HTTPWaited(ctx, endpointName(ctx)) // in flight on another replica
+				endpointTel(ctx).Waited(ctx) // in flight on another replica
 			}
 		case errors.Is(err, errRetryClaim):
 			rowSeen = rowSeen || errors.Is(err, errKeyRowExists)
