@@ -885,7 +885,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		}
 	} else {
 		stored := in.key.storageKey()
-		headers, err := json.Marshal(h.replayHeaders(header))
+		headers, err := encodeHeaders(h.replayHeaders(header))
 		if err != nil {
 			return nil, fmt.Errorf("%w: headers: %w", errEncodeFailure, err)
 		}
@@ -895,7 +895,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		// rolls back).
 		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, fresh, db.StoreKeyParams{
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
-			StatusCode: int32(out.status), Headers: string(headers), Body: body, TtlSeconds: ep.TTL.Seconds(),
+			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
 		switch c := pgCode(err); {
 		case err == nil:
@@ -1012,9 +1012,15 @@ func replay(ctx context.Context, row db.GetKeyRow, in *request) (*response, erro
 	if !bytes.Equal(row.Fingerprint, in.fingerprint) {
 		return nil, errFingerprint
 	}
-	header := http.Header{}
-	if err := json.Unmarshal(row.Headers, &header); err != nil {
-		return nil, storageErr(ctx, "decode stored headers", err)
+	var header http.Header
+	if string(row.Headers) == jsonOnlyHeaders {
+		// What json.Unmarshal gives, without its reflection.
+		header = http.Header{"Content-Type": {"application/json"}}
+	} else {
+		header = http.Header{}
+		if err := json.Unmarshal(row.Headers, &header); err != nil {
+			return nil, storageErr(ctx, "decode stored headers", err)
+		}
 	}
 	return &response{status: int(row.StatusCode), header: header, body: row.Body, replayed: true}, nil
 }
@@ -1029,6 +1035,21 @@ func (h *HTTP) replayHeaders(header http.Header) http.Header {
 		}
 	}
 	return out
+}
+
+// jsonOnlyHeaders is json.Marshal of the stored headers of most responses:
+// Content-Type, which run sets, alone.
+const jsonOnlyHeaders = `{"Content-Type":["application/json"]}`
+
+// encodeHeaders is json.Marshal(header) as a string, the stored form of a
+// response's headers, without reflection over the map for the common
+// jsonOnlyHeaders.
+func encodeHeaders(header http.Header) (string, error) {
+	if v := header["Content-Type"]; len(header) == 1 && len(v) == 1 && v[0] == "application/json" {
+		return jsonOnlyHeaders, nil
+	}
+	b, err := json.Marshal(header)
+	return string(b), err
 }
 
 // problemFor maps an error of serve or of the wrapped function to a response.
