@@ -682,7 +682,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	// over where StoreNewKey would fail again at every attempt until the
 	// wait ran out.
 	fresh := !c.found && !rowSeen && !dbx.SnapshotBeforeClaim(h.txOptions)
-	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, fresh, call)
+	return h.run(ctx, ep, in, tx, fresh, call)
 }
 
 // claimResult is what a claim found: claimed, this transaction runs the
@@ -840,8 +840,7 @@ func connCheckRefused(err error) bool {
 // (see StoreNewKey).
 func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
-	ctx = context.WithValue(ctx, headerCtx{}, header)
-	ctx = context.WithValue(ctx, principalCtx{}, in.principal)
+	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
 	result, err := call(ctx, tx)
 	if err != nil {
 		return nil, classifyFunctionError(ctx, tx, err)

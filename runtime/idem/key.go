@@ -141,6 +141,32 @@ type keyCtx struct{}
 type headerCtx struct{}
 type principalCtx struct{}
 
+// opCtx is the context of an //idem:http function: in one node, where three
+// context.WithValue would make three, it holds what ResponseHeader,
+// PrincipalFromContext and KeyFromContext read (the key only when the
+// request has one; otherwise the lookup goes on to the parent, as it would
+// without the node).
+type opCtx struct {
+	context.Context
+	header    http.Header
+	principal string
+	key       *Key
+}
+
+func (c *opCtx) Value(k any) any {
+	switch k.(type) {
+	case headerCtx:
+		return c.header
+	case principalCtx:
+		return c.principal
+	case keyCtx:
+		if c.key != nil {
+			return *c.key
+		}
+	}
+	return c.Context.Value(k)
+}
+
 // KeyFromContext returns the key of the idempotent operation running under
 // ctx: for //idem:http, the request's key; for //idem:consume, the consumer
 // context as Scope and the event id as Key. It reports false outside a
