@@ -115,3 +115,15 @@ func TestReplayJSONOnlyHeaders(t *testing.T) {
 		t.Errorf("jsonOnlyHeaders decodes to %v", want)
 	}
 }
+
+// isJSON's shortcut for the exact "application/json" agrees with the parse.
+func TestIsJSON(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"application/json": true, "application/json; charset=utf-8": true, "Application/JSON": true,
+		"application/problem+json": true, "text/plain": false, "application/jsonx": false,
+	} {
+		if got := isJSON(ct); got != want {
+			t.Errorf("isJSON(%q) = %v, want %v", ct, got, want)
+		}
+	}
+}

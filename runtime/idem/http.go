@@ -426,6 +426,9 @@ type response struct {
 	header   http.Header
 	body     []byte
 	replayed bool
+	// stored, when not nil, is the subset of header that run stored with
+	// the key (replayHeaders), which the key's duplicates are answered.
+	stored http.Header
 }
 
 func (o *response) write(w http.ResponseWriter) {
@@ -496,6 +499,9 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 // isJSON reports whether a Content-Type names JSON: application/json or a
 // +json structured syntax suffix, any parameters.
 func isJSON(contentType string) bool {
+	if contentType == "application/json" {
+		return true // what most clients send: no need to parse it
+	}
 	mt, _, err := mime.ParseMediaType(contentType)
 	return err == nil && (mt == "application/json" || strings.HasPrefix(mt, "application/") && strings.HasSuffix(mt, "+json"))
 }
@@ -593,7 +599,11 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		if err == nil {
 			// out is now the key's stored response: the duplicates waiting
 			// for the turn answer it without touching the database.
-			turn.publish(&response{status: out.status, header: h.replayHeaders(out.header), body: out.body, replayed: true}, in.fingerprint)
+			stored := out.stored
+			if stored == nil {
+				stored = h.replayHeaders(out.header)
+			}
+			turn.publish(&response{status: out.status, header: stored, body: out.body, replayed: true}, in.fingerprint)
 		}
 		switch {
 		case errors.Is(err, errElsewhere):
@@ -884,7 +894,8 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		}
 	} else {
 		stored := in.key.storageKey()
-		headers, err := encodeHeaders(h.replayHeaders(header))
+		out.stored = h.replayHeaders(header)
+		headers, err := encodeHeaders(out.stored)
 		if err != nil {
 			return nil, fmt.Errorf("%w: headers: %w", errEncodeFailure, err)
 		}
