@@ -1023,7 +1023,7 @@ func replay(ctx context.Context, row db.GetKeyRow, in *request) (*response, erro
 		return nil, errFingerprint
 	}
 	var header http.Header
-	if string(row.Headers) == jsonOnlyHeaders {
+	if string(row.Headers) == jsonbOnlyHeaders || string(row.Headers) == jsonOnlyHeaders {
 		// What json.Unmarshal gives, without its reflection.
 		header = http.Header{"Content-Type": {"application/json"}}
 	} else {
@@ -1050,6 +1050,11 @@ func (h *HTTP) replayHeaders(header http.Header) http.Header {
 // jsonOnlyHeaders is json.Marshal of the stored headers of most responses:
 // Content-Type, which run sets, alone.
 const jsonOnlyHeaders = `{"Content-Type":["application/json"]}`
+
+// jsonbOnlyHeaders is jsonOnlyHeaders as GetKey reads it back from
+// idem_keys.headers: a jsonb column, which PostgreSQL prints in its own
+// form (a space after each colon and comma), not as it was written.
+const jsonbOnlyHeaders = `{"Content-Type": ["application/json"]}`
 
 // encodeHeaders is json.Marshal(header) as a string, the stored form of a
 // response's headers, without reflection over the map for the common
