@@ -402,7 +402,13 @@ func bindError(what, name string, err error) *Error {
 // receive, differing, is a 422.
 func fingerprint(method string, bound, body []byte) []byte {
 	f := sha256.New()
-	fmt.Fprintf(f, "%s\x00%d\x00", method, len(bound))
+	// As fmt.Fprintf(f, "%s\x00%d\x00", method, len(bound)) writes it.
+	prefix := make([]byte, 0, 64)
+	prefix = append(prefix, method...)
+	prefix = append(prefix, 0)
+	prefix = strconv.AppendInt(prefix, int64(len(bound)), 10)
+	prefix = append(prefix, 0)
+	f.Write(prefix)
 	f.Write(bound)
 	f.Write(body)
 	return f.Sum(nil)

@@ -276,7 +276,7 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 		h.logger = slog.Default()
 	}
 	h.tel = telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
-	h.flights.waited = func(ctx context.Context) { h.tel.HTTPWaited(ctx, endpointName(ctx)) }
+	h.flights.waited = func(ctx context.Context) { endpointTel(ctx).Waited(ctx) }
 	return h, nil
 }
 
@@ -306,8 +306,9 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 	if name == "" {
 		name = ep.Scope
 	}
+	tel := h.tel.HTTPEndpoint(name, ep.Scope)
 	return endpointHandler{method: method, serve: func(w http.ResponseWriter, r *http.Request) {
-		ctx, done := h.tel.HTTPStart(context.WithValue(r.Context(), endpointCtx{}, name), name, ep.Scope)
+		ctx, done := tel.Start(context.WithValue(r.Context(), endpointCtx{}, tel))
 		r = r.WithContext(ctx)
 		w = &statusRecorder{ResponseWriter: w}
 		defer func() {
@@ -368,12 +369,12 @@ type endpointHandler struct {
 
 func (e endpointHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) { e.serve(w, r) }
 
-// endpointCtx carries the endpoint's name to instruments deep in serve.
+// endpointCtx carries the endpoint's instruments to serve and flights.
 type endpointCtx struct{}
 
-func endpointName(ctx context.Context) string {
-	s, _ := ctx.Value(endpointCtx{}).(string)
-	return s
+func endpointTel(ctx context.Context) *telemetry.HTTPEndpoint {
+	e, _ := ctx.Value(endpointCtx{}).(*telemetry.HTTPEndpoint)
+	return e
 }
 
 // statusRecorder remembers what Handle answered, for the outcome attribute:
@@ -425,6 +426,9 @@ type response struct {
 	header   http.Header
 	body     []byte
 	replayed bool
+	// stored, when not nil, is the subset of header that run stored with
+	// the key (replayHeaders), which the key's duplicates are answered.
+	stored http.Header
 }
 
 func (o *response) write(w http.ResponseWriter) {
@@ -495,6 +499,9 @@ func (h *HTTP) readRequest(w http.ResponseWriter, r *http.Request, ep Endpoint) 
 // isJSON reports whether a Content-Type names JSON: application/json or a
 // +json structured syntax suffix, any parameters.
 func isJSON(contentType string) bool {
+	if contentType == "application/json" {
+		return true // what most clients send: no need to parse it
+	}
 	mt, _, err := mime.ParseMediaType(contentType)
 	return err == nil && (mt == "application/json" || strings.HasPrefix(mt, "application/") && strings.HasSuffix(mt, "+json"))
 }
@@ -592,7 +599,11 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 		if err == nil {
 			// out is now the key's stored response: the duplicates waiting
 			// for the turn answer it without touching the database.
-			turn.publish(&response{status: out.status, header: h.replayHeaders(out.header), body: out.body, replayed: true}, in.fingerprint)
+			stored := out.stored
+			if stored == nil {
+				stored = h.replayHeaders(out.header)
+			}
+			turn.publish(&response{status: out.status, header: stored, body: out.body, replayed: true}, in.fingerprint)
 		}
 		switch {
 		case errors.Is(err, errElsewhere):
@@ -600,7 +611,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 				return nil, errInFlight
 			}
 			if !polled {
-				h.tel.HTTPWaited(ctx, endpointName(ctx)) // in flight on another replica
+				endpointTel(ctx).Waited(ctx) // in flight on another replica
 			}
 		case errors.Is(err, errRetryClaim):
 			rowSeen = rowSeen || errors.Is(err, errKeyRowExists)
@@ -681,7 +692,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	// over where StoreNewKey would fail again at every attempt until the
 	// wait ran out.
 	fresh := !c.found && !rowSeen && !dbx.SnapshotBeforeClaim(h.txOptions)
-	return h.run(context.WithValue(ctx, keyCtx{}, *in.key), ep, in, tx, fresh, call)
+	return h.run(ctx, ep, in, tx, fresh, call)
 }
 
 // claimResult is what a claim found: claimed, this transaction runs the
@@ -839,8 +850,7 @@ func connCheckRefused(err error) bool {
 // (see StoreNewKey).
 func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
-	ctx = context.WithValue(ctx, headerCtx{}, header)
-	ctx = context.WithValue(ctx, principalCtx{}, in.principal)
+	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
 	result, err := call(ctx, tx)
 	if err != nil {
 		return nil, classifyFunctionError(ctx, tx, err)
@@ -884,7 +894,8 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		}
 	} else {
 		stored := in.key.storageKey()
-		headers, err := json.Marshal(h.replayHeaders(header))
+		out.stored = h.replayHeaders(header)
+		headers, err := encodeHeaders(out.stored)
 		if err != nil {
 			return nil, fmt.Errorf("%w: headers: %w", errEncodeFailure, err)
 		}
@@ -894,7 +905,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		// rolls back).
 		err = dbx.StoreKeyCommit(ctx, tx, h.txOptions.CommitQuery, fresh, db.StoreKeyParams{
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
-			StatusCode: int32(out.status), Headers: string(headers), Body: body, TtlSeconds: ep.TTL.Seconds(),
+			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
 		switch c := pgCode(err); {
 		case err == nil:
@@ -1011,9 +1022,15 @@ func replay(ctx context.Context, row db.GetKeyRow, in *request) (*response, erro
 	if !bytes.Equal(row.Fingerprint, in.fingerprint) {
 		return nil, errFingerprint
 	}
-	header := http.Header{}
-	if err := json.Unmarshal(row.Headers, &header); err != nil {
-		return nil, storageErr(ctx, "decode stored headers", err)
+	var header http.Header
+	if string(row.Headers) == jsonbOnlyHeaders || string(row.Headers) == jsonOnlyHeaders {
+		// What json.Unmarshal gives, without its reflection.
+		header = http.Header{"Content-Type": {"application/json"}}
+	} else {
+		header = http.Header{}
+		if err := json.Unmarshal(row.Headers, &header); err != nil {
+			return nil, storageErr(ctx, "decode stored headers", err)
+		}
 	}
 	return &response{status: int(row.StatusCode), header: header, body: row.Body, replayed: true}, nil
 }
@@ -1028,6 +1045,26 @@ func (h *HTTP) replayHeaders(header http.Header) http.Header {
 		}
 	}
 	return out
+}
+
+// jsonOnlyHeaders is json.Marshal of the stored headers of most responses:
+// Content-Type, which run sets, alone.
+const jsonOnlyHeaders = `{"Content-Type":["application/json"]}`
+
+// jsonbOnlyHeaders is jsonOnlyHeaders as GetKey reads it back from
+// idem_keys.headers: a jsonb column, which PostgreSQL prints in its own
+// form (a space after each colon and comma), not as it was written.
+const jsonbOnlyHeaders = `{"Content-Type": ["application/json"]}`
+
+// encodeHeaders is json.Marshal(header) as a string, the stored form of a
+// response's headers, without reflection over the map for the common
+// jsonOnlyHeaders.
+func encodeHeaders(header http.Header) (string, error) {
+	if v := header["Content-Type"]; len(header) == 1 && len(v) == 1 && v[0] == "application/json" {
+		return jsonOnlyHeaders, nil
+	}
+	b, err := json.Marshal(header)
+	return string(b), err
 }
 
 // problemFor maps an error of serve or of the wrapped function to a response.

@@ -26,20 +26,21 @@ type Key struct {
 // provider sees one key however often the operation is repeated. Derive it
 // once, before any retry loop, and send it on every attempt.
 func (k Key) Derive(name string) string {
-	return hex.EncodeToString(hashParts(k.Scope, k.Principal, k.Key, name))[:32]
+	sum := hashParts(k.Scope, k.Principal, k.Key, name)
+	return hex.EncodeToString(sum[:])[:32]
 }
 
 // hashParts is SHA-256 over length-prefixed parts, so ("ab","c") and
-// ("a","bc") never hash alike.
-func hashParts(parts ...string) []byte {
-	h := sha256.New()
+// ("a","bc") never hash alike. The parts are hashed in one piece from a
+// buffer on the stack (when they fit), not through a hash.Hash, which is
+// allocated, as is its Sum.
+func hashParts(parts ...string) [sha256.Size]byte {
+	buf := make([]byte, 0, 512)
 	for _, s := range parts {
-		var n [8]byte
-		binary.LittleEndian.PutUint64(n[:], uint64(len(s)))
-		h.Write(n[:])
-		h.Write([]byte(s))
+		buf = binary.LittleEndian.AppendUint64(buf, uint64(len(s)))
+		buf = append(buf, s...)
 	}
-	return h.Sum(nil)
+	return sha256.Sum256(buf)
 }
 
 // MaxPrincipalLength is the longest principal stored as it is, in bytes.
@@ -75,7 +76,8 @@ func (k Key) storageKey() Key {
 // the idem_keys table's OID: advisory locks are per database, and the same
 // key in another schema's table is another key.
 func (k Key) lockID() int64 {
-	return int64(binary.BigEndian.Uint64(hashParts("idem.key", k.Scope, k.Principal, k.Key)))
+	sum := hashParts("idem.key", k.Scope, k.Principal, k.Key)
+	return int64(binary.BigEndian.Uint64(sum[:]))
 }
 
 // parseKey accepts the key as a bare token (as Stripe and most clients send
@@ -138,6 +140,32 @@ func decodeSFString(s string) (string, error) {
 type keyCtx struct{}
 type headerCtx struct{}
 type principalCtx struct{}
+
+// opCtx is the context of an //idem:http function: in one node, where three
+// context.WithValue would make three, it holds what ResponseHeader,
+// PrincipalFromContext and KeyFromContext read (the key only when the
+// request has one; otherwise the lookup goes on to the parent, as it would
+// without the node).
+type opCtx struct {
+	context.Context
+	header    http.Header
+	principal string
+	key       *Key
+}
+
+func (c *opCtx) Value(k any) any {
+	switch k.(type) {
+	case headerCtx:
+		return c.header
+	case principalCtx:
+		return c.principal
+	case keyCtx:
+		if c.key != nil {
+			return *c.key
+		}
+	}
+	return c.Context.Value(k)
+}
 
 // KeyFromContext returns the key of the idempotent operation running under
 // ctx: for //idem:http, the request's key; for //idem:consume, the consumer

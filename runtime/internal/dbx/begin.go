@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -38,8 +40,36 @@ func Pipelined(opts pgx.TxOptions) bool {
 func queueBegin(b *pgx.Batch, opts pgx.TxOptions, s Settings) {
 	b.BeginTx(opts)
 	if s != (Settings{}) {
-		b.Queue(db.SetTxSettings, ms(s.LockTimeout), ms(s.ConnCheck), ms(s.Idle))
+		b.Queue(db.SetTxSettings, ms(s.LockTimeout), msArg(s.ConnCheck), msArg(s.Idle))
 	}
+}
+
+// msArgs caches msArg's values: the settings a process sends with every
+// transaction (client_connection_check_interval,
+// idle_in_transaction_session_timeout) come from its configuration, so a
+// handful of values, rendered once each. Keyed by the duration itself, an
+// entry is never stale.
+var (
+	msArgs    sync.Map // time.Duration → any (a string)
+	msArgsLen atomic.Int32
+)
+
+// maxMSArgs bounds msArgs: past it, values are rendered per call.
+const maxMSArgs = 64
+
+// msArg is ms(d) as a query argument, boxed once per value of d (a string
+// boxed into an interface is allocated each time it is converted).
+func msArg(d time.Duration) any {
+	if v, ok := msArgs.Load(d); ok {
+		return v
+	}
+	v := any(ms(d))
+	if msArgsLen.Load() < maxMSArgs {
+		if _, loaded := msArgs.LoadOrStore(d, v); !loaded {
+			msArgsLen.Add(1)
+		}
+	}
+	return v
 }
 
 // ms renders d as a PostgreSQL duration in whole milliseconds, at least 1
@@ -123,10 +153,12 @@ func SnapshotBeforeClaim(opts pgx.TxOptions) bool {
 // a row: a claim that takes over an expired row locks it next, in a round
 // trip of its own (lockTakenOver).
 func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, found *bool, row *db.GetKeyRow) {
-	b.Queue(db.ClaimKey, arg.Scope, arg.Principal, arg.Key, arg.LockID).QueryRow(func(r pgx.Row) error {
+	// Boxed once for the statements that share them.
+	scope, principal, key, lockID := any(arg.Scope), any(arg.Principal), any(arg.Key), any(arg.LockID)
+	b.Queue(db.ClaimKey, scope, principal, key, lockID).QueryRow(func(r pgx.Row) error {
 		return r.Scan(locked)
 	})
-	b.Queue(db.GetKey, arg.Scope, arg.Principal, arg.Key).QueryRow(func(r pgx.Row) error {
+	b.Queue(db.GetKey, scope, principal, key).QueryRow(func(r pgx.Row) error {
 		err := r.Scan(&row.Fingerprint, &row.StatusCode, &row.Headers, &row.Body, &row.ExpiresAt, &row.Live)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil
@@ -135,7 +167,7 @@ func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, foun
 		return err
 	})
 	if rowCheck {
-		b.Queue(db.ClaimKeyRow, arg.Scope, arg.Principal, arg.Key, arg.LockID)
+		b.Queue(db.ClaimKeyRow, scope, principal, key, lockID)
 	}
 	b.Queue(db.RestoreLockTimeout)
 }

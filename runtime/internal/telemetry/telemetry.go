@@ -165,29 +165,87 @@ func Must(mp metric.MeterProvider, tp trace.TracerProvider) *Telemetry {
 // itself (their callbacks read the database).
 func (t *Telemetry) Meter() metric.Meter { return t.meter }
 
-// HTTPStart starts an operation span and returns the finish function, which
-// records the outcome counter, the duration histogram and the span status.
-func (t *Telemetry) HTTPStart(ctx context.Context, endpoint, scope string) (context.Context, func(outcome string, err error)) {
+// HTTPEndpoint is what every operation of one endpoint shares: the span
+// name, the span's start options and the metric attribute sets, built once
+// per endpoint (an attribute set is sorted and allocated each time it is
+// made), where HTTPStart would build them again for every request. A nil
+// *HTTPEndpoint records nothing.
+type HTTPEndpoint struct {
+	t        *Telemetry
+	endpoint string
+	spanName string
+	start    []trace.SpanStartOption
+	waited   metric.MeasurementOption
+	outcomes map[string]metric.MeasurementOption // read only once built
+}
+
+// httpOutcomes are the outcomes HTTPEndpoint builds attribute sets for in
+// advance; others (error statuses) are built per call.
+var httpOutcomes = []string{"executed", "replayed"}
+
+// HTTPEndpoint returns the instruments of endpoint, whose keys have scope.
+// Build it once per endpoint and reuse it; it is safe for concurrent use.
+func (t *Telemetry) HTTPEndpoint(endpoint, scope string) *HTTPEndpoint {
 	if t == nil {
+		return nil
+	}
+	e := &HTTPEndpoint{
+		t:        t,
+		endpoint: endpoint,
+		spanName: "idem.http " + endpoint,
+		start: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
+			trace.WithAttributes(KeyEndpoint.String(endpoint), KeyScope.String(scope))},
+		waited:   metric.WithAttributeSet(attribute.NewSet(KeyEndpoint.String(endpoint))),
+		outcomes: make(map[string]metric.MeasurementOption, len(httpOutcomes)),
+	}
+	for _, o := range httpOutcomes {
+		e.outcomes[o] = e.outcome(o)
+	}
+	return e
+}
+
+// outcome returns the attributes of the operations counter and the duration
+// histogram for outcome.
+func (e *HTTPEndpoint) outcome(outcome string) metric.MeasurementOption {
+	if o, ok := e.outcomes[outcome]; ok {
+		return o
+	}
+	return metric.WithAttributeSet(attribute.NewSet(KeyEndpoint.String(e.endpoint), KeyOutcome.String(outcome)))
+}
+
+// Start starts an operation span and returns the finish function, which
+// records the outcome counter, the duration histogram and the span status.
+func (e *HTTPEndpoint) Start(ctx context.Context) (context.Context, func(outcome string, err error)) {
+	if e == nil {
 		return ctx, func(string, error) {}
 	}
 	start := time.Now()
-	ctx, span := t.tracer.Start(ctx, "idem.http "+endpoint, trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(KeyEndpoint.String(endpoint), KeyScope.String(scope)))
+	ctx, span := e.t.tracer.Start(ctx, e.spanName, e.start...)
 	return ctx, func(outcome string, err error) {
-		attrs := metric.WithAttributes(KeyEndpoint.String(endpoint), KeyOutcome.String(outcome))
-		t.httpOps.Add(ctx, 1, attrs)
-		t.httpDuration.Record(ctx, time.Since(start).Seconds(), attrs)
+		attrs := e.outcome(outcome)
+		e.t.httpOps.Add(ctx, 1, attrs)
+		e.t.httpDuration.Record(ctx, time.Since(start).Seconds(), attrs)
 		end(span, outcome, err)
 	}
 }
 
-// HTTPWaited counts a request that found its key in flight.
-func (t *Telemetry) HTTPWaited(ctx context.Context, endpoint string) {
-	if t == nil {
+// Waited counts a request that found its key in flight.
+func (e *HTTPEndpoint) Waited(ctx context.Context) {
+	if e == nil {
 		return
 	}
-	t.httpWaits.Add(ctx, 1, metric.WithAttributes(KeyEndpoint.String(endpoint)))
+	e.t.httpWaits.Add(ctx, 1, e.waited)
+}
+
+// HTTPStart starts an operation span of endpoint and returns the finish
+// function, as HTTPEndpoint(endpoint, scope).Start does.
+func (t *Telemetry) HTTPStart(ctx context.Context, endpoint, scope string) (context.Context, func(outcome string, err error)) {
+	return t.HTTPEndpoint(endpoint, scope).Start(ctx)
+}
+
+// HTTPWaited counts a request of endpoint that found its key in flight.
+func (t *Telemetry) HTTPWaited(ctx context.Context, endpoint string) {
+	t.HTTPEndpoint(endpoint, "").Waited(ctx)
 }
 
 // RecordStart starts a record span and returns the finish function, which

@@ -236,3 +236,78 @@ func TestRecordAttributesPerConsumerAndTopic(t *testing.T) {
 		t.Errorf("spans %v, want %v", names, want)
 	}
 }
+
+// An HTTPEndpoint's span options and attribute sets are built once and
+// reused: each operation still counts under its own endpoint and outcome
+// (a cached one or not), its span has its own endpoint's name and
+// attributes, waits count per endpoint, and a nil HTTPEndpoint records
+// nothing.
+func TestHTTPEndpointReused(t *testing.T) {
+	tel, reader, rec := setup(t)
+	ctx := context.Background()
+	pay, refund := tel.HTTPEndpoint("POST /payments", "pay"), tel.HTTPEndpoint("POST /refunds", "refund")
+	for range 2 {
+		for _, e := range []*telemetry.HTTPEndpoint{pay, refund} {
+			for _, outcome := range []string{"executed", "replayed", "409"} {
+				_, done := e.Start(ctx)
+				done(outcome, nil)
+			}
+		}
+		_, done := pay.Start(ctx)
+		done("503", errors.New("busy"))
+	}
+	pay.Waited(ctx)
+	refund.Waited(ctx)
+	refund.Waited(ctx)
+	var none *telemetry.HTTPEndpoint
+	_, done := none.Start(ctx)
+	done("executed", nil)
+	none.Waited(ctx)
+
+	m := collect(t, reader)
+	for _, c := range []struct {
+		endpoint, outcome string
+		want              int64
+	}{
+		{"POST /payments", "executed", 2}, {"POST /payments", "replayed", 2}, {"POST /payments", "409", 2}, {"POST /payments", "503", 2},
+		{"POST /refunds", "executed", 2}, {"POST /refunds", "replayed", 2}, {"POST /refunds", "409", 2}, {"POST /refunds", "503", 0},
+	} {
+		if got := sumFor(t, m["idem.http.operations"], telemetry.KeyEndpoint.String(c.endpoint), telemetry.KeyOutcome.String(c.outcome)); got != c.want {
+			t.Errorf("%s/%s = %d, want %d", c.endpoint, c.outcome, got, c.want)
+		}
+	}
+	if got := sumFor(t, m["idem.http.key_waits"], telemetry.KeyEndpoint.String("POST /refunds")); got != 2 {
+		t.Errorf("refund waits = %d, want 2", got)
+	}
+	if got := sumFor(t, m["idem.http.key_waits"], telemetry.KeyEndpoint.String("POST /payments")); got != 1 {
+		t.Errorf("payment waits = %d, want 1", got)
+	}
+	h := m["idem.http.duration"].(metricdata.Histogram[float64])
+	counts := map[string]uint64{}
+	for _, dp := range h.DataPoints {
+		e, _ := dp.Attributes.Value(telemetry.KeyEndpoint)
+		o, _ := dp.Attributes.Value(telemetry.KeyOutcome)
+		counts[e.AsString()+"/"+o.AsString()] += dp.Count
+	}
+	if want := map[string]uint64{"POST /payments/executed": 2, "POST /payments/replayed": 2, "POST /payments/409": 2, "POST /payments/503": 2,
+		"POST /refunds/executed": 2, "POST /refunds/replayed": 2, "POST /refunds/409": 2}; fmt.Sprint(counts) != fmt.Sprint(want) {
+		t.Errorf("duration counts %v, want %v", counts, want)
+	}
+	spans := rec.Ended()
+	if len(spans) != 14 {
+		t.Fatalf("%d spans, want 14", len(spans))
+	}
+	for _, s := range spans {
+		attrs := attribute.NewSet(s.Attributes()...)
+		e, _ := attrs.Value(telemetry.KeyEndpoint)
+		sc, _ := attrs.Value(telemetry.KeyScope)
+		o, _ := attrs.Value(telemetry.KeyOutcome)
+		want := map[string]string{"POST /payments": "pay", "POST /refunds": "refund"}[e.AsString()]
+		if s.Name() != "idem.http "+e.AsString() || sc.AsString() != want || want == "" || o.AsString() == "" {
+			t.Errorf("span %q: endpoint %q scope %q outcome %q", s.Name(), e.AsString(), sc.AsString(), o.AsString())
+		}
+		if (o.AsString() == "503") != (s.Status().Code == codes.Error) {
+			t.Errorf("span %q outcome %q: status %v", s.Name(), o.AsString(), s.Status())
+		}
+	}
+}
