@@ -12,3 +12,10 @@ func WithGoPackagesLoader(ctx context.Context) context.Context {
 func GuessDeps(cfg Config, patterns ...string) []string {
 	return guessDeps(cfg, newBuildConfig(cfg), patterns)
 }
+
+// GoListMatches loads patterns in the vet-like loader's two modes with
+// goList and with packages.Load, and returns the first difference between
+// the packages they return (with their dependencies), or "".
+func GoListMatches(ctx context.Context, cfg Config, patterns ...string) (string, error) {
+	return goListMatches(ctx, cfg, newBuildConfig(cfg), patterns)
+}

@@ -49,13 +49,17 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	// every dependency and takes twice as long. The compiled files are the
 	// Go files unless cgo or SWIG generates more, and such a package is
 	// left to go/packages.
-	meta, err := packages.Load(&packages.Config{
-		Context:    ctx,
-		Mode:       packages.NeedName | packages.NeedFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule,
-		Dir:        cfg.Dir,
-		Env:        cfg.Env,
-		BuildFlags: bc.loadFlags,
-	}, patterns...)
+	const metaMode = packages.NeedName | packages.NeedFiles | packages.NeedImports | packages.NeedDeps | packages.NeedModule
+	meta, ok, err := goList(ctx, cfg, bc, metaMode, patterns)
+	if err == nil && !ok {
+		meta, err = packages.Load(&packages.Config{
+			Context:    ctx,
+			Mode:       metaMode,
+			Dir:        cfg.Dir,
+			Env:        cfg.Env,
+			BuildFlags: bc.loadFlags,
+		}, patterns...)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("load %s: %w", strings.Join(patterns, " "), err)
 	}
@@ -284,9 +288,13 @@ func importsC(f *ast.File) bool {
 
 // loadExports runs go list -export for the packages ids.
 func loadExports(ctx context.Context, cfg Config, bc *buildConfig, ids []string) ([]*packages.Package, error) {
+	const mode = packages.NeedName | packages.NeedExportFile
+	if pkgs, ok, err := goList(ctx, cfg, bc, mode, ids); ok || err != nil {
+		return pkgs, err
+	}
 	return packages.Load(&packages.Config{
 		Context:    ctx,
-		Mode:       packages.NeedName | packages.NeedExportFile,
+		Mode:       mode,
 		Dir:        cfg.Dir,
 		Env:        cfg.Env,
 		BuildFlags: bc.loadFlags,

@@ -1,0 +1,102 @@
+package generator_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+
+	"github.com/idemgen/idemgen/generator"
+)
+
+// TestGoListMatchesGoPackages checks that the loader's own go list driver
+// returns, for both of the vet-like loader's loads, what go/packages
+// returns: files of every kind, ignored files, modules, the import graph
+// with the dependencies, and export data.
+func TestGoListMatchesGoPackages(t *testing.T) {
+	mod := newModule(t)
+	dir := filepath.Join(mod, "golist")
+	write(t, filepath.Join(dir, "a.go"), `package golist
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+
+	"example.com/golden/golist/sub"
+)
+
+func F(context.Context, pgx.Tx) { sub.F() }
+`)
+	write(t, filepath.Join(dir, "ignored.go"), "//go:build never\n\npackage golist\n")
+	write(t, filepath.Join(dir, "idem_gen.go"), "//go:build !idemgen\n\npackage golist\n")
+	write(t, filepath.Join(dir, "sub", "sub.go"), "package sub\n\nimport \"strings\"\n\nfunc F() { _ = strings.ToUpper(\"\") }\n")
+	write(t, filepath.Join(dir, "sub", "sub_amd64.s"), "// no code\n")
+	write(t, filepath.Join(dir, "sub", "sub.syso"), "")
+	write(t, filepath.Join(dir, "other", "other.go"), "package other\n\nimport _ \"example.com/golden/golist\"\n")
+
+	cfg := generator.Config{Dir: dir, Env: append(goEnv(), "GOPACKAGESDRIVER=off")}
+	for _, patterns := range [][]string{{"."}, {"./..."}, {"./sub", "."}, {"context", "github.com/jackc/pgx/v5"}} {
+		diff, err := generator.GoListMatches(context.Background(), cfg, patterns...)
+		if err != nil {
+			t.Fatalf("%v: %v", patterns, err)
+		}
+		if diff != "" {
+			t.Errorf("%v: go list and go/packages differ:\n%s", patterns, diff)
+		}
+	}
+}
+
+// TestGenerateGoCommands checks that Generate on one package runs the go
+// command twice (the package's files, its dependencies' export data) and no
+// more: go/packages asks the go version before each load, two extra
+// processes on the critical path of every run.
+func TestGenerateGoCommands(t *testing.T) {
+	if runtime.GOOS == "windows" {
+		t.Skip("the go command's stand-in is a shell script")
+	}
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command")
+	}
+	bin := t.TempDir()
+	log := filepath.Join(t.TempDir(), "log")
+	write(t, filepath.Join(bin, "go"), "#!/bin/sh\necho \"$*\" >> '"+log+"'\nexec '"+goBin+"' \"$@\"\n")
+	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	mod := newModule(t)
+	dir := filepath.Join(mod, "gocmds")
+	write(t, filepath.Join(dir, "a.go"), `package gocmds
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+type Req struct{ A int }
+type Resp struct{ B string }
+
+//idem:http route="POST /op" status=201
+func Op(ctx context.Context, tx pgx.Tx, r Req) (Resp, error) { return Resp{}, nil }
+`)
+	env := append(goEnv(), "GOPACKAGESDRIVER=off")
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	env = append(env, "PATH="+os.Getenv("PATH"))
+	files, err := generator.Generate(context.Background(), generator.Config{Dir: dir, Env: env}, ".")
+	if err != nil || len(files) != 1 {
+		t.Fatalf("Generate: %v %v", files, err)
+	}
+	out, err := os.ReadFile(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if len(lines) != 2 {
+		t.Errorf("Generate ran %d go commands, want 2 (the package, its dependencies' export data):\n%s", len(lines), out)
+	}
+}
