@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/tools/go/packages"
@@ -76,7 +75,7 @@ func goList(ctx context.Context, cfg Config, bc *buildConfig, mode packages.Load
 	// PWD as go/packages sets it, so that the go command reports paths
 	// under Dir as given, not with symbolic links resolved.
 	cmd.Env = append(append([]string{}, env...), "PWD="+cfg.Dir)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	setProcessGroup(cmd)
 	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
 	cmd.WaitDelay = time.Second
 	var stdout, stderr bytes.Buffer
