@@ -100,3 +100,36 @@ func Op(ctx context.Context, tx pgx.Tx, r Req) (Resp, error) { return Resp{}, ni
 		t.Errorf("Generate ran %d go commands, want 2 (the package, its dependencies' export data):\n%s", len(lines), out)
 	}
 }
+
+// TestGoflagsOverlayAddedFile: a file that only a GOFLAGS -overlay adds is
+// listed by the go command but is not on disk. The loader reads files from
+// disk: it reports that, naming the file, where it used to leave a nil
+// syntax tree that buildModel dereferenced (a panic), and where go/packages
+// would drop the file and its directives without a word.
+func TestGoflagsOverlayAddedFile(t *testing.T) {
+	mod := newModule(t)
+	dir := filepath.Join(mod, "ovl")
+	write(t, filepath.Join(dir, "a.go"), "package ovl\n")
+	added := filepath.Join(dir, "added.go")
+	content := filepath.Join(t.TempDir(), "added.go.txt")
+	write(t, content, `package ovl
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+type Req struct{ A int }
+
+//idem:http route="POST /ov"
+func Ov(ctx context.Context, tx pgx.Tx, r Req) (Req, error) { return r, nil }
+`)
+	overlay := filepath.Join(t.TempDir(), "overlay.json")
+	write(t, overlay, `{"Replace":{"`+added+`":"`+content+`"}}`)
+	env := append(goEnv(), "GOPACKAGESDRIVER=off", "GOFLAGS=-mod=mod -overlay="+overlay)
+	files, err := generator.Generate(context.Background(), generator.Config{Dir: dir, Env: env}, ".")
+	if err == nil || !strings.Contains(err.Error(), added) || !strings.Contains(err.Error(), "overlay") {
+		t.Fatalf("Generate with a GOFLAGS overlay adding %s: files %v, error %v; want an error naming the file and the overlay", added, files, err)
+	}
+}

@@ -131,6 +131,7 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	// order, each once.
 	var wg sync.WaitGroup
 	cgo := false
+	var unreadable error
 	for _, p := range meta {
 		p.Fset = fset
 		p.Syntax = make([]*ast.File, len(p.CompiledGoFiles))
@@ -149,7 +150,13 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 						p.Errors = append(p.Errors, packages.Error{Pos: e.Pos.String(), Msg: e.Msg, Kind: packages.ParseError})
 					}
 				} else if err != nil {
-					p.Errors = append(p.Errors, packages.Error{Pos: name, Msg: err.Error(), Kind: packages.ParseError})
+					// Not a syntax error: a file the go command listed could
+					// not be read (one that only a GOFLAGS -overlay adds,
+					// say). Its directives would be missed: an error, not
+					// output without them (go/packages drops such a file).
+					if unreadable == nil {
+						unreadable = err
+					}
 				}
 			}()
 		}
@@ -186,6 +193,9 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 	}
 
 	wg.Wait()
+	if unreadable != nil {
+		return nil, fmt.Errorf("load %s: %w (idemgen reads the package's files from disk; GOFLAGS -overlay is not supported)", strings.Join(patterns, " "), unreadable)
+	}
 	if cgo {
 		return nil, errSlowPath
 	}
