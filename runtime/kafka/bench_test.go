@@ -372,7 +372,7 @@ func relayLatency(b *testing.B, addrs []string, pollOnly bool) [2]time.Duration 
 	pool := db(b)
 	tp := &timingPublisher{inner: publisher(b, addrs), acked: map[int]time.Time{}}
 	led := make(chan struct{})
-	relay := newRelay(b, pool, tp, idem.RelayConfig{PollInterval: 250 * time.Millisecond, OnLeader: func() { close(led) }})
+	relay := newRelay(b, pool, tp, idem.RelayConfig{PollInterval: 250 * time.Millisecond, OnLeader: sync.OnceFunc(func() { close(led) })})
 	if pollOnly {
 		relayhook.DisableNotify(relay)
 	}

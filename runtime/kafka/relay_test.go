@@ -555,7 +555,7 @@ func TestReaperReturnsExpiredLease(t *testing.T) {
 	pool := db(t)
 	led := make(chan struct{})
 	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: 20 * time.Millisecond,
-		Lease: time.Second, OnLeader: func() { close(led) }}))
+		Lease: time.Second, OnLeader: sync.OnceFunc(func() { close(led) })}))
 	<-led // the takeover reset has run; only the reaper can help now
 	if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, record_key, payload, status, claim_token, locked_until, attempts)
 		VALUES ('events', 'k', '{"key":"k","seq":0}', 'PUBLISHING', 'ghost', now() - interval '1 second', 1)`); err != nil {
@@ -595,7 +595,7 @@ func TestNotifyWakesRelay(t *testing.T) {
 	pool := db(t)
 	led := make(chan struct{})
 	startRelay(t, newRelay(t, pool, publisher(t, addrs), idem.RelayConfig{PollInterval: time.Minute,
-		OnLeader: func() { close(led) }}))
+		OnLeader: sync.OnceFunc(func() { close(led) })}))
 	<-led
 	time.Sleep(100 * time.Millisecond) // the relay's first (empty) claim is done; it now waits
 	start := time.Now()
