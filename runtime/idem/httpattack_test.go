@@ -82,11 +82,7 @@ func stormReplica(t *testing.T, dbURL string, cfg idem.HTTPConfig, ep idem.Endpo
 func stormSchema(t *testing.T) (string, *pgxpool.Pool) {
 	t.Helper()
 	dbURL := pgtest.Schema(t)
-	admin, err := pgxpool.New(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(admin.Close)
+	admin := pgtest.PoolURL(t, dbURL, nil)
 	if err := idem.Migrate(context.Background(), admin); err != nil {
 		t.Fatal(err)
 	}
