@@ -65,7 +65,8 @@ type EventSpec[T any] struct {
 	// EventID returns the event's id from the decoded payload. Nil reads the
 	// EventIDHeader record header instead. A panic in it (a nil pointer id
 	// field) makes the record a dead letter at once, like an empty id or
-	// one holding a NUL byte.
+	// one PostgreSQL cannot store (a NUL byte, invalid UTF-8, too large for
+	// the processed-event index).
 	EventID func(T) string
 	// Decode decodes a record value. Nil decodes JSON.
 	Decode func([]byte) (T, error)
@@ -382,7 +383,8 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 		} else {
 			outage = 0
 			attempt++
-			if attempt >= p.cfg.Retry.MaxAttempts {
+			var ue *unstorableIDError
+			if attempt >= p.cfg.Retry.MaxAttempts || errors.As(err, &ue) {
 				return p.deadLetter(ctx, h, rec, replayID, attempt, err)
 			}
 			wait = p.cfg.Retry.backoff(attempt)
@@ -434,7 +436,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		return 0, ErrDeadLetterReplayed
 	}
 	if err != nil {
-		return 0, pipelineError(err)
+		return 0, unstorableID(pipelineError(err))
 	}
 	n := r.Inserted
 	outcome := Duplicate

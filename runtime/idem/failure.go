@@ -139,6 +139,29 @@ func (p *Processor) isOutage(err error) bool {
 	return false
 }
 
+// unstorableIDError is the record's pipeline (BEGIN and the dedupe insert,
+// whose only value from the record is its event id) refused by PostgreSQL
+// for the id itself: invalid UTF-8 (22021; with the simple protocol the id
+// is inlined, and the whole pipeline, BEGIN first, is refused), a character
+// the server encoding lacks (22P05), or an id too large for the
+// processed-event index (54000). The record's failure, and one that recurs
+// on every attempt: it is dead-lettered at once, its raw bytes kept, rather
+// than retried through its budget.
+type unstorableIDError struct{ err error }
+
+func (e *unstorableIDError) Error() string { return e.err.Error() }
+func (e *unstorableIDError) Unwrap() error { return e.err }
+
+// unstorableID returns err, the failure of the record's pipeline, as an
+// *unstorableIDError when PostgreSQL refused the event id.
+func unstorableID(err error) error {
+	switch pgCode(err) {
+	case "22021", "22P05", "54000":
+		return &unstorableIDError{err: err}
+	}
+	return err
+}
+
 // isDataError reports whether PostgreSQL refused the values themselves:
 // SQLSTATE class 22 (data exception: invalid byte sequence 22021, untranslatable
 // character 22P05, ...) and class 54 (program limit exceeded, e.g. an index
