@@ -5,6 +5,7 @@ import (
 	"context"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -70,5 +71,48 @@ func TestUnstorableEventIDDeadLetteredAtOnce(t *testing.T) {
 				t.Fatalf("the record after them: %v, want applied", o)
 			}
 		})
+	}
+}
+
+// A COMMIT that fails because the server ended the session (here FATAL
+// 25P03, idle_in_transaction_session_timeout: the handler paused past it) is
+// not the handler's verdict: the record is retried on a fresh connection
+// without using an attempt, and the processed-event row makes the retry
+// safe. With a budget of one attempt it was dead-lettered, a valid record.
+func TestCommitAfterIdleSessionTimeoutIsNoAttempt(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		Retry:                    idem.RetryPolicy{MaxAttempts: 1, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Outage:                   idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		IdleInTransactionTimeout: 100 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		if calls.Add(1) == 1 {
+			time.Sleep(time.Second) // idle in transaction: the server ends the session
+		}
+		return nil
+	})
+	o, err := processWithin(p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"e1","amount":1}`)}, 20*time.Second)
+	if err != nil || o != idem.Applied {
+		t.Fatalf("Process: %v, %v; want applied", o, err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		var last string
+		_ = pool.QueryRow(context.Background(), `SELECT last_error FROM idem_dead_letters`).Scan(&last)
+		t.Fatalf("%d dead letters (%s), want none", n, last)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
+	if c := calls.Load(); c != 2 {
+		t.Fatalf("handler ran %d times, want 2 (the COMMIT of the first failed with the session)", c)
 	}
 }
