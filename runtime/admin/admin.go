@@ -349,7 +349,20 @@ type Producer func(ctx context.Context, d DeadLetter) error
 // commit, the dead letter is still unreplayed and a second replay produces
 // it again; consumers deduplicate that by event id. It returns false if
 // there is no such dead letter or it was replayed already.
+//
+// It holds one pooled connection at a time: the dead letter is read before
+// the transaction begins (the row's bytes never change, so it is the same
+// read; a dead letter discarded or replayed in between fails the mark). Read
+// inside the transaction through the pool, it needed a second connection
+// while holding the first, and on a pool of one waited forever.
 func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer) (bool, error) {
+	d, err := a.DeadLetter(ctx, id)
+	if errors.Is(err, ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("replay: %w", err)
+	}
 	tx, err := a.pool.Begin(ctx)
 	if err != nil {
 		return false, fmt.Errorf("replay dead letter %d: begin: %w", id, err)
@@ -361,11 +374,6 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 	}
 	if n == 0 {
 		return false, nil
-	}
-	// The row's bytes never change; reading them outside tx is the same read.
-	d, err := a.DeadLetter(ctx, id)
-	if err != nil {
-		return false, fmt.Errorf("replay: %w", err)
 	}
 	if err := produce(ctx, d); err != nil {
 		return false, fmt.Errorf("replay dead letter %d: produce to %q partition-key %q: %w", id, d.Topic, d.Key, err)

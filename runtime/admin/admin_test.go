@@ -174,6 +174,32 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRA
 	}
 }
 
+// TestReplayDeadLetterOnPoolOfOne: a replay holds one connection at a time.
+// It read the dead letter through the pool while its transaction held the
+// pool's only connection, and waited forever (here: until the deadline).
+func TestReplayDeadLetterOnPoolOfOne(t *testing.T) {
+	pool := migrated(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	pgtest.Exec(t, pool, `INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, attempts, last_error)
+VALUES ('billing', 'orders', 0, 7, 'k', 'v', 5, 'boom')`)
+	id := pgtest.Count(t, pool, `SELECT id FROM idem_dead_letters`)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var got admin.DeadLetter
+	ok, err := admin.New(pool).ReplayDeadLetter(ctx, id, func(_ context.Context, d admin.DeadLetter) error {
+		got = d
+		return nil
+	})
+	if !ok || err != nil || string(got.Value) != "v" {
+		t.Fatalf("replay on a pool of one: %v, %v, produced %q; want replayed", ok, err, got.Value)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE replayed_at IS NOT NULL`); n != 1 {
+		t.Error("the replayed dead letter is not marked replayed")
+	}
+	if ok, err := admin.New(pool).ReplayDeadLetter(ctx, id+1, func(context.Context, admin.DeadLetter) error { return nil }); ok || err != nil {
+		t.Errorf("replaying a dead letter that does not exist: %v, %v; want false, nil", ok, err)
+	}
+}
+
 // waitBlocked waits until a session of application app waits on a lock in
 // MarkDeadLetterReplayed. (Not any session of the database: it is shared
 // with other tests and test runs, whose replays would end the wait early.)
