@@ -44,6 +44,9 @@ const (
 	// statement. Two minutes leaves room for downstream calls made inside
 	// the operation.
 	DefaultIdleInTransactionTimeout = 2 * time.Minute
+	// DefaultFailureLogInterval is how long the log lines of a run of
+	// failures of one kind (a database outage's 503s) are folded into one.
+	DefaultFailureLogInterval = 10 * time.Second
 	// MaxKeyLength is the longest Idempotency-Key accepted, in bytes.
 	MaxKeyLength = 255
 
@@ -186,6 +189,13 @@ type HTTPConfig struct {
 	// Logger receives failures that are not the client's fault (default
 	// slog.Default()).
 	Logger *slog.Logger
+	// FailureLogInterval folds the log lines of storage failures and busy
+	// databases (503s), which during an outage come with every request: the
+	// first is logged at once, the ones after it within the interval are
+	// counted, and one line ("N more requests failed with ...") is logged
+	// when the interval has passed. 0: DefaultFailureLogInterval; negative:
+	// a line per request.
+	FailureLogInterval time.Duration
 	// MeterProvider and TracerProvider receive the engine's metrics and
 	// spans (nil: the global providers, no-ops until the service installs
 	// an OpenTelemetry SDK). See the README's "Metrics and traces".
@@ -203,6 +213,7 @@ type HTTP struct {
 	strict    bool
 	txOptions pgx.TxOptions
 	logger    *slog.Logger
+	failures  *failureLog // the 503s of outages, folded
 	// connCheckMS is the client_connection_check_interval in milliseconds,
 	// 0 when off (configured so, or refused by the server).
 	connCheckMS atomic.Int64
@@ -275,6 +286,10 @@ func NewHTTP(store *Store, cfg HTTPConfig) (*HTTP, error) {
 	if h.logger == nil {
 		h.logger = slog.Default()
 	}
+	if cfg.FailureLogInterval == 0 {
+		cfg.FailureLogInterval = DefaultFailureLogInterval
+	}
+	h.failures = newFailureLog(h.logger, cfg.FailureLogInterval)
 	h.tel = telemetry.Must(cfg.MeterProvider, cfg.TracerProvider)
 	h.flights.waited = func(ctx context.Context) { endpointTel(ctx).Waited(ctx) }
 	return h, nil
@@ -1096,7 +1111,7 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 		}
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Outcome unknown", RetryAfter: time.Second, Err: err, Detail: detail}
 	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
-		h.logger.WarnContext(r.Context(), "database busy", "scope", ep.Scope, "err", err)
+		h.failures.log(r.Context(), slog.LevelWarn, "database busy", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
 			Detail: "the database was busy (no connection or a lock within the wait); nothing was done, retry later"}
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
@@ -1104,7 +1119,7 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 		// rolled back, so a retry is safe.
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "request cancelled; nothing was done", Err: err}
 	case errors.Is(err, errStorage):
-		h.logger.ErrorContext(r.Context(), "idempotency storage failed", "scope", ep.Scope, "err", err)
+		h.failures.log(r.Context(), slog.LevelError, "idempotency storage failed", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "storage unavailable; nothing was done, retry later", Err: err, RetryAfter: time.Second}
 	default:
 		h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "err", err)
