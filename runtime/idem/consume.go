@@ -132,8 +132,9 @@ const (
 	// Duplicate: the context had applied this event id before; the handler
 	// did not run.
 	Duplicate
-	// DeadLettered: the record could not be decoded, had no event id, or
-	// failed past the retry budget; it is stored in idem_dead_letters.
+	// DeadLettered: the record could not be decoded, had no event id or one
+	// PostgreSQL cannot store, or failed past the retry budget; it is stored
+	// in idem_dead_letters.
 	DeadLettered
 )
 
