@@ -437,7 +437,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		return 0, ErrDeadLetterReplayed
 	}
 	if err != nil {
-		return 0, unstorableID(pipelineError(err))
+		return 0, unstorableID(pipelineError(err), id, h.Context, conn.Conn().PgConn().ParameterStatus("client_encoding"))
 	}
 	n := r.Inserted
 	outcome := Duplicate

@@ -153,13 +153,53 @@ func (e *unstorableIDError) Error() string { return e.err.Error() }
 func (e *unstorableIDError) Unwrap() error { return e.err }
 
 // unstorableID returns err, the failure of the record's pipeline, as an
-// *unstorableIDError when PostgreSQL refused the event id.
-func unstorableID(err error) error {
-	switch pgCode(err) {
-	case "22021", "22P05", "54000":
+// *unstorableIDError when PostgreSQL refused the event id: the SQLSTATE is
+// one an id can cause, and this id can cause it. The SQLSTATE alone does not
+// say the id was refused: a trigger on idem_processed_events raises what it
+// likes, and the server raises 54000 for its own limits too (the wraparound
+// stop, "not accepting commands that assign new transaction IDs"); a valid
+// record was then dead-lettered on its first attempt. An id that cannot be
+// the cause leaves err as it was (a data error: the retry budget).
+func unstorableID(err error, id, ctxName, clientEncoding string) error {
+	if idRefusable(pgCode(err), id, ctxName, clientEncoding) {
 		return &unstorableIDError{err: err}
 	}
 	return err
+}
+
+// maxIndexableID is a length of context and event id together below which
+// the processed-event index cannot refuse them (54000): the smallest btree
+// item limit, for 1 KiB pages, is above it (2704 bytes for the default 8
+// KiB); compression only makes the index row smaller.
+const maxIndexableID = 256
+
+// idRefusable reports whether PostgreSQL can refuse id with code: invalid
+// byte sequences (22021) and untranslatable characters (22P05) need a byte
+// outside ASCII, which every client and server encoding holds (and with a
+// UTF8 client encoding, 22021 needs invalid UTF-8); an index row too large
+// (54000) needs a long id.
+func idRefusable(code, id, ctxName, clientEncoding string) bool {
+	switch code {
+	case "22021":
+		if clientEncoding == "UTF8" {
+			return !utf8.ValidString(id)
+		}
+		return !isASCII(id)
+	case "22P05":
+		return !isASCII(id)
+	case "54000":
+		return len(ctxName)+len(id) > maxIndexableID
+	}
+	return false
+}
+
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
+	}
+	return true
 }
 
 // isDataError reports whether PostgreSQL refused the values themselves:
