@@ -1111,7 +1111,7 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 		}
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Outcome unknown", RetryAfter: time.Second, Err: err, Detail: detail}
 	case errors.Is(err, errBusy): // before the context cases: it may wrap the wait's own deadline
-		h.failures.log(r.Context(), slog.LevelWarn, "database busy", "scope", ep.Scope, "err", err)
+		h.failures.log(r.Context(), slog.LevelWarn, "database busy", ep.Scope, err)
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
 			Detail: "the database was busy (no connection or a lock within the wait); nothing was done, retry later"}
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
@@ -1119,7 +1119,7 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 		// rolled back, so a retry is safe.
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "request cancelled; nothing was done", Err: err}
 	case errors.Is(err, errStorage):
-		h.failures.log(r.Context(), slog.LevelError, "idempotency storage failed", "scope", ep.Scope, "err", err)
+		h.failures.log(r.Context(), slog.LevelError, "idempotency storage failed", ep.Scope, err)
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "storage unavailable; nothing was done, retry later", Err: err, RetryAfter: time.Second}
 	default:
 		h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "err", err)
