@@ -2,13 +2,20 @@ package idem_test
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"log/slog"
 	"net/http"
+	"regexp"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -64,4 +71,76 @@ CREATE TABLE child (parent int REFERENCES parent DEFERRABLE INITIALLY DEFERRED)`
 	if aLines != 1 || bLines != 1 {
 		t.Fatalf("logged %d lines of scope a's 23505 (want 1: the rest folded) and %d of scope b's 23503 (want 1):\n%s", aLines, bLines, logs)
 	}
+}
+
+// Outside review (revrt). Concurrent 503s of two endpoints during an outage,
+// over several intervals: every failure is accounted for (the lines logged
+// at once plus the counts of the summaries equal the requests, per scope),
+// no summary is written twice for one count, and once the failures stop no
+// timer or goroutine is left (the bubble ends with nothing running).
+func TestRevrtFoldedFailuresAllCounted(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
+		logs := &lockedBuffer{}
+		engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{
+			Logger: slog.New(slog.NewJSONHandler(logs, nil)), FailureLogInterval: time.Second,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		fn := func(context.Context, pgx.Tx, chargeReq) (receipt, error) { return receipt{}, nil }
+		hs := map[string]http.Handler{
+			"a": idem.Handle(engine, idem.Endpoint{Scope: "a"}, fn),
+			"b": idem.Handle(engine, idem.Endpoint{Scope: "b"}, fn),
+		}
+		const rounds, per = 5, 20
+		var wg sync.WaitGroup
+		for round := range rounds {
+			for scope, h := range hs {
+				for i := range per {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						if r := do(h, fmt.Sprint(scope, round, "-", i), body1); r.status != http.StatusServiceUnavailable {
+							t.Errorf("status %d, want 503", r.status)
+						}
+					}()
+				}
+			}
+			wg.Wait()
+			time.Sleep(400 * time.Millisecond)
+		}
+		time.Sleep(5 * time.Second) // every summary due is written
+		synctest.Wait()
+		got := map[string]int{}
+		re := regexp.MustCompile(`^(\d+) more requests failed with idempotency storage failed$`)
+		for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+			var rec map[string]any
+			if err := json.Unmarshal([]byte(l), &rec); err != nil {
+				t.Fatalf("%v: %s", err, l)
+			}
+			msg, _ := rec["msg"].(string)
+			scope, _ := rec["scope"].(string)
+			switch m := re.FindStringSubmatch(msg); {
+			case msg == "idempotency storage failed":
+				got[scope]++
+			case m != nil:
+				n, _ := strconv.Atoi(m[1])
+				got[scope] += n
+			default:
+				t.Fatalf("unexpected line %s", l)
+			}
+		}
+		t.Logf("%d log lines for %d failures", strings.Count(logs.String(), "\n"), 2*rounds*per)
+		for scope := range hs {
+			if got[scope] != rounds*per {
+				t.Errorf("scope %s: the log accounts for %d failures, want %d\n%s", scope, got[scope], rounds*per, logs)
+			}
+		}
+	})
 }
