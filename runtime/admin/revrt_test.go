@@ -1,16 +1,21 @@
 package admin_test
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/admin"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 // Outside review (revrt): ReplayDeadLetter reads the dead letter before its
@@ -118,4 +123,77 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', 5, 'boom')`)
 			t.Fatalf("round %d: %d rows left after a discard", round, n)
 		}
 	}
+}
+
+// Outside review (revrt): a record dead-lettered on its first attempt for an
+// event id PostgreSQL refuses (invalid UTF-8, and too large for the index)
+// keeps its raw bytes, and admin replay produces exactly those bytes: key
+// with NUL and 0xff, value, repeated headers in order, a null header value,
+// a header name that is not UTF-8.
+func TestRevrtUnstorableIDReplayedByteForByte(t *testing.T) {
+	pool := migrated(t, nil)
+	p, err := idem.NewProcessor(idem.NewStore(pool), idem.ProcessorConfig{
+		Retry:  idem.RetryPolicy{MaxAttempts: 5, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Outage: idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	h := idem.Consume(idem.EventSpec[map[string]any]{Topic: "events", Context: "raw"},
+		func(context.Context, pgx.Tx, map[string]any) error { calls.Add(1); return nil })
+	ids := []string{"\xff\xfe\x80", idRand()}
+	for i, id := range ids {
+		rec := &idem.Record{Topic: "events", Partition: 3, Offset: int64(10 + i),
+			Key: []byte("k\x00\xff"), Value: []byte(`{"a":1}`),
+			Headers: []idem.RecordHeader{
+				{Key: "x-rep", Value: []byte("1")},
+				{Key: idem.EventIDHeader, Value: []byte(id)},
+				{Key: "x-rep", Value: []byte("\x00\xff")},
+				{Key: "x-null", Value: nil},
+				{Key: "n\xffame", Value: []byte{}},
+			}}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		o, err := p.Process(ctx, &h, rec)
+		cancel()
+		if err != nil || o != idem.DeadLettered {
+			t.Fatalf("id %d: %v, %v; want dead-lettered", i, o, err)
+		}
+		var dlID int64
+		var attempts int
+		if err := pool.QueryRow(context.Background(), `SELECT id, attempts FROM idem_dead_letters WHERE koffset = $1`, rec.Offset).Scan(&dlID, &attempts); err != nil {
+			t.Fatal(err)
+		}
+		if attempts != 1 {
+			t.Errorf("id %d: %d attempts, want 1", i, attempts)
+		}
+		var got admin.DeadLetter
+		ok, err := admin.New(pool).ReplayDeadLetter(context.Background(), dlID, func(_ context.Context, d admin.DeadLetter) error {
+			got = d
+			return nil
+		})
+		if !ok || err != nil {
+			t.Fatalf("id %d: replay %v, %v", i, ok, err)
+		}
+		if got.Topic != rec.Topic || got.Partition != rec.Partition || got.Offset != rec.Offset ||
+			!bytes.Equal(got.Key, rec.Key) || !bytes.Equal(got.Value, rec.Value) || len(got.Headers) != len(rec.Headers) {
+			t.Fatalf("id %d: produced %+v, want the record %+v", i, got, rec)
+		}
+		for j, hd := range rec.Headers {
+			g := got.Headers[j]
+			if g.Key != hd.Key || !bytes.Equal(g.Value, hd.Value) || (g.Value == nil) != (hd.Value == nil) {
+				t.Errorf("id %d header %d: produced %q=%q (nil %v), want %q=%q (nil %v)", i, j, g.Key, g.Value, g.Value == nil, hd.Key, hd.Value, hd.Value == nil)
+			}
+		}
+	}
+	if calls.Load() != 0 {
+		t.Errorf("handler ran %d times", calls.Load())
+	}
+}
+
+// idRand is an ASCII event id too large for the processed-event index.
+func idRand() string {
+	b := make([]byte, 1600)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
 }
