@@ -17,7 +17,12 @@ import (
 
 // TestMain lets the test binary act as the idemgen command inside scripts,
 // so `exec idemgen` and `go generate` run the real main, exit codes included.
+// With IDEMGEN_TEST_MAIN=1 it is the idemgen command itself, for tests that
+// signal a real process.
 func TestMain(m *testing.M) {
+	if os.Getenv("IDEMGEN_TEST_MAIN") == "1" {
+		main()
+	}
 	testscript.Main(m, map[string]func(){
 		"idemgen": func() { main() },
 	})

@@ -23,15 +23,14 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/examples/payments/db"
+	"github.com/idemgen/idemgen/internal/shutdown"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
@@ -42,7 +41,7 @@ var schema string
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 
 func main() {
-	ctx, stop := shutdownSignals()
+	ctx, stop := shutdown.Context("payments")
 	defer stop()
 	cmd := "demo"
 	if len(os.Args) > 1 {
@@ -305,40 +304,4 @@ func relay(ctx context.Context) error {
 		defer closeRelay()
 		return r.Run(ctx)
 	})
-}
-
-// shutdownSignals returns a context cancelled by the first SIGTERM or
-// interrupt, which starts a graceful shutdown (NOT_READY_DELAY, then
-// DRAIN_TIMEOUT); a second one ends the process at once, by the signal's
-// default action: what is in flight rolls back, as after a crash. Both
-// signals stay caught until the second (a buffer of 2: neither is lost
-// when they come together), so there is no moment between the two in which
-// a second signal would be swallowed (signal.NotifyContext with stop called
-// after ctx.Done left one: a signal sent when readiness already showed the
-// shutdown could still land in the first's channel and be ignored).
-func shutdownSignals() (context.Context, func()) {
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
-	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		<-sigs
-		cancel()
-		sig := <-sigs
-		code := 128 + 2 // SIGINT's, as a shell reports a process it killed
-		if s, ok := sig.(syscall.Signal); ok {
-			code = 128 + int(s)
-		}
-		// As PID 1 (a container without an init) a signal's default action
-		// does not apply, and a SIGINT ignored at start stays ignored after
-		// Reset: the exit below ends the process then.
-		if os.Getpid() != 1 {
-			signal.Reset(os.Interrupt, syscall.SIGTERM)
-			if p, err := os.FindProcess(os.Getpid()); err == nil {
-				_ = p.Signal(sig)
-			}
-			time.Sleep(50 * time.Millisecond) // the default action ends the process before this returns
-		}
-		os.Exit(code)
-	}()
-	return ctx, func() { signal.Stop(sigs); cancel() }
 }
