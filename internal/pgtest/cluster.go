@@ -20,7 +20,7 @@ import (
 )
 
 // BinDir finds the PostgreSQL server binaries PrivateCluster runs (initdb,
-// pg_ctl, postgres): $PGBIN if set, else the newest Debian-style
+// postgres): $PGBIN if set, else the newest Debian-style
 // /usr/lib/postgresql/<major>/bin holding initdb, else the directory of the
 // initdb on $PATH. "" when none is found.
 func BinDir() string {
@@ -50,6 +50,13 @@ func BinDir() string {
 // Cluster is a PostgreSQL server of the test's own (initdb'd into a
 // temporary directory), which the test may stop, crash and restart without
 // disturbing any other test. Create it with PrivateCluster.
+//
+// The postmaster is the test process's own child, not a daemon started by
+// pg_ctl: on Linux the kernel sends it SIGQUIT (an immediate shutdown) when
+// the test process dies, even by SIGKILL, where a daemonized server ran on
+// for ever. The directory holds owner.lock, flocked while the cluster
+// lives; the next PrivateCluster, in any test process, removes directories
+// whose lock is free (see reapStale).
 type Cluster struct {
 	// URL connects to the cluster's database "postgres" over TCP on
 	// 127.0.0.1 as the superuser postgres (trust).
@@ -59,34 +66,43 @@ type Cluster struct {
 
 	t    testing.TB
 	bin  string
-	dir  string // the temporary directory: data/, sock/, server.log
+	dir  string // the temporary directory: owner.lock, data/, sock/, server.log
 	data string
 	log  string
 	cred *syscall.Credential // the postgres user's when we run as root
 
-	mu sync.Mutex // serializes pg_ctl
+	mu   sync.Mutex  // serializes Start and Stop
+	proc *postmaster // nil while stopped
 }
 
 // PrivateCluster initdb's and starts a private PostgreSQL server (fsync off)
 // on a free port of 127.0.0.1, with its unix socket in its own directory.
 // When the test ends it is stopped (immediate) and its directory removed,
 // whether the test passed or not; if the test failed, the tail of the
-// server's log is logged first. Missing binaries fail the test (they are
-// never a reason to skip). As root (initdb refuses to run as root) the
+// server's log is logged first; if the test process dies without its
+// cleanup, the server ends with it (on Linux) and a later PrivateCluster
+// removes the directory. Missing binaries fail the test (they are never a
+// reason to skip). As root (initdb refuses to run as root) the
 // server runs as the user postgres.
 func PrivateCluster(t testing.TB) *Cluster {
 	t.Helper()
 	bin := BinDir()
 	if bin == "" {
-		t.Fatal("pgtest.PrivateCluster needs the PostgreSQL server binaries (initdb, pg_ctl, postgres): none in /usr/lib/postgresql/*/bin or on $PATH; set PGBIN")
+		t.Fatal("pgtest.PrivateCluster needs the PostgreSQL server binaries (initdb, postgres): none in /usr/lib/postgresql/*/bin or on $PATH; set PGBIN")
 	}
-	for _, name := range []string{"initdb", "pg_ctl", "postgres"} {
+	for _, name := range []string{"initdb", "postgres"} {
 		if _, err := os.Stat(filepath.Join(bin, name)); err != nil {
 			t.Fatalf("pgtest.PrivateCluster needs the PostgreSQL server binaries in %s (set PGBIN): %v", bin, err)
 		}
 	}
-	dir, err := os.MkdirTemp("", "pgtest-cluster-")
+	reapStale(t)
+	dir, err := os.MkdirTemp("", clusterPrefix)
 	if err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := lockOwner(dir)
+	if err != nil {
+		os.RemoveAll(dir)
 		t.Fatal(err)
 	}
 	c := &Cluster{t: t, bin: bin, dir: dir, data: filepath.Join(dir, "data"), log: filepath.Join(dir, "server.log")}
@@ -94,8 +110,9 @@ func PrivateCluster(t testing.TB) *Cluster {
 		if t.Failed() {
 			c.logTail()
 		}
-		_, _ = c.pgCtl(60*time.Second, "stop", "-m", "immediate", "-w")
+		_ = c.stop(syscall.SIGQUIT)
 		_ = os.RemoveAll(dir)
+		unlock()
 	})
 	if os.Geteuid() == 0 {
 		u, err := user.Lookup("postgres")
@@ -167,26 +184,34 @@ func (c *Cluster) run(limit time.Duration, name string, args ...string) ([]byte,
 	return out.Bytes(), err
 }
 
-func (c *Cluster) pgCtl(limit time.Duration, args ...string) ([]byte, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	args = append([]string{"-D", c.data, "-l", c.log, "-t", strconv.Itoa(int(limit / time.Second))}, args...)
-	return c.run(limit+10*time.Second, filepath.Join(c.bin, "pg_ctl"), args...)
-}
-
-func (c *Cluster) must(what string, args ...string) {
-	c.t.Helper()
-	if out, err := c.pgCtl(60*time.Second, args...); err != nil {
-		c.logTail()
-		c.t.Fatalf("pg_ctl %s: %v\n%s", what, err, out)
-	}
-}
-
 // Start starts the server and waits until it accepts connections (after
 // crash recovery, if it was crashed).
 func (c *Cluster) Start() {
 	c.t.Helper()
-	c.must("start", "start", "-w")
+	c.mu.Lock()
+	if c.proc != nil {
+		c.mu.Unlock()
+		c.t.Fatal("pgtest: Start of a private cluster that is running")
+	}
+	logf, err := os.OpenFile(c.log, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		c.mu.Unlock()
+		c.t.Fatal(err)
+	}
+	cmd := exec.Command(filepath.Join(c.bin, "postgres"), "-D", c.data)
+	cmd.Dir = c.dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C", "LANG=C")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	setParentDeathSignal(cmd.SysProcAttr)
+	p, err := startPostmaster(cmd)
+	logf.Close() // the postmaster has its own copy
+	if err != nil {
+		c.mu.Unlock()
+		c.t.Fatalf("start postgres: %v", err)
+	}
+	c.proc = p
+	c.mu.Unlock()
 	c.waitReady()
 }
 
@@ -195,14 +220,42 @@ func (c *Cluster) Start() {
 // "immediate" (a crash: no checkpoint, the next start runs crash recovery).
 func (c *Cluster) Stop(mode string) {
 	c.t.Helper()
-	c.must("stop -m "+mode, "stop", "-m", mode, "-w")
+	sig, ok := map[string]syscall.Signal{"smart": syscall.SIGTERM, "fast": syscall.SIGINT, "immediate": syscall.SIGQUIT}[mode]
+	if !ok {
+		c.t.Fatalf("pgtest: unknown shutdown mode %q (smart, fast, immediate)", mode)
+	}
+	if err := c.stop(sig); err != nil {
+		c.logTail()
+		c.t.Fatalf("stop -m %s: %v", mode, err)
+	}
 }
 
-// Restart is pg_ctl restart with the shutdown mode (see Stop).
+// stop sends the postmaster sig (its shutdown modes: SIGTERM smart, SIGINT
+// fast, SIGQUIT immediate) and waits for it to exit, killing it after 60s.
+func (c *Cluster) stop(sig syscall.Signal) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p := c.proc
+	if p == nil {
+		return nil
+	}
+	c.proc = nil
+	_ = p.cmd.Process.Signal(sig)
+	select {
+	case <-p.exited:
+		return nil
+	case <-time.After(60 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.exited
+		return fmt.Errorf("the postmaster did not exit within 60s of %v (killed)", sig)
+	}
+}
+
+// Restart stops the server with the shutdown mode (see Stop) and starts it.
 func (c *Cluster) Restart(mode string) {
 	c.t.Helper()
-	c.must("restart -m "+mode, "restart", "-m", mode, "-w")
-	c.waitReady()
+	c.Stop(mode)
+	c.Start()
 }
 
 // CrashBackend kills (SIGKILL) the backend of a new session: the postmaster
@@ -267,12 +320,23 @@ func (c *Cluster) Disruptions(recovered func(name string)) []string {
 	return timings
 }
 
-// waitReady polls until a connection runs a query (pg_ctl -w already waits;
-// this also covers a server still finishing recovery).
+// waitReady polls until a connection runs a query (after start-up and any
+// crash recovery), failing the test if the postmaster exits meanwhile.
 func (c *Cluster) waitReady() {
 	c.t.Helper()
+	c.mu.Lock()
+	p := c.proc
+	c.mu.Unlock()
 	deadline := time.Now().Add(60 * time.Second)
 	for {
+		if p != nil {
+			select {
+			case <-p.exited:
+				c.logTail()
+				c.t.Fatalf("the private cluster's postmaster exited while starting: %v", p.err)
+			default:
+			}
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		conn, err := pgx.Connect(ctx, c.URL)
 		if err == nil {
