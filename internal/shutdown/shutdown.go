@@ -17,8 +17,8 @@ import (
 	"time"
 )
 
-// Signals are the signals Context handles.
-var Signals = []os.Signal{os.Interrupt, syscall.SIGTERM}
+// signals are the signals Context handles.
+var signals = []os.Signal{os.Interrupt, syscall.SIGTERM}
 
 // Context returns a context cancelled by the first SIGINT or SIGTERM. A
 // second one writes "prog: second <signal>: exiting at once" to stderr and
@@ -33,7 +33,7 @@ var Signals = []os.Signal{os.Interrupt, syscall.SIGTERM}
 // later signal: a command stuck after the first could not be interrupted.
 func Context(prog string) (ctx context.Context, stop func()) {
 	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, Signals...)
+	signal.Notify(sigs, signals...)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -58,7 +58,7 @@ func Context(prog string) (ctx context.Context, stop func()) {
 		// does not apply, and a SIGINT ignored at start stays ignored after
 		// Reset: the exit below ends the process then.
 		if os.Getpid() != 1 {
-			signal.Reset(Signals...)
+			signal.Reset(signals...)
 			if p, err := os.FindProcess(os.Getpid()); err == nil {
 				_ = p.Signal(sig)
 			}
