@@ -21,6 +21,24 @@ type buildConfig struct {
 	loadFlags []string      // the user's, with LoadTag added
 	userFlags []string      // the user's: the build the generated files are for
 	ctx       build.Context // the user's build, to judge which files it selects
+
+	// overlay holds the contents the vet-like loader parses in place of
+	// the files on disk: those an -overlay in loadFlags gives the go
+	// command (recheck's, see withOverlay).
+	overlay map[string][]byte
+}
+
+// withOverlay returns the user's own build (without LoadTag, as recheck
+// loads) with the files of overlay replaced or added: the go command reads
+// them through the -overlay file jsonFile, which maps the same paths to
+// copies of these contents, and the vet-like loader parses them from
+// overlay. The -overlay flag on the command line replaces one in GOFLAGS,
+// as go/packages' own Config.Overlay does.
+func (bc *buildConfig) withOverlay(jsonFile string, overlay map[string][]byte) *buildConfig {
+	c := *bc
+	c.loadFlags = append(slices.Clone(bc.userFlags), "-overlay="+jsonFile)
+	c.overlay = overlay
+	return &c
 }
 
 func newBuildConfig(cfg Config) *buildConfig {

@@ -55,19 +55,7 @@ func F(context.Context, pgx.Tx) { sub.F() }
 // more: go/packages asks the go version before each load, two extra
 // processes on the critical path of every run.
 func TestGenerateGoCommands(t *testing.T) {
-	if runtime.GOOS == "windows" {
-		t.Skip("the go command's stand-in is a shell script")
-	}
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("no go command")
-	}
-	bin := t.TempDir()
-	log := filepath.Join(t.TempDir(), "log")
-	write(t, filepath.Join(bin, "go"), "#!/bin/sh\necho \"$*\" >> '"+log+"'\nexec '"+goBin+"' \"$@\"\n")
-	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	env, log := loggedGoCommand(t)
 	mod := newModule(t)
 	dir := filepath.Join(mod, "gocmds")
 	write(t, filepath.Join(dir, "a.go"), `package gocmds
@@ -84,20 +72,94 @@ type Resp struct{ B string }
 //idem:http route="POST /op" status=201
 func Op(ctx context.Context, tx pgx.Tx, r Req) (Resp, error) { return Resp{}, nil }
 `)
-	env := append(goEnv(), "GOPACKAGESDRIVER=off")
-	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	env = append(env, "PATH="+os.Getenv("PATH"))
 	files, err := generator.Generate(context.Background(), generator.Config{Dir: dir, Env: env}, ".")
 	if err != nil || len(files) != 1 {
 		t.Fatalf("Generate: %v %v", files, err)
 	}
+	lines := goCommands(t, log)
+	if len(lines) != 2 {
+		t.Errorf("Generate ran %d go commands, want 2 (the package, its dependencies' export data):\n%s", len(lines), strings.Join(lines, "\n"))
+	}
+}
+
+// loggedGoCommand puts a stand-in for the go command first on PATH that
+// logs each command line to the file log and runs the real one, and returns
+// the environment for Generate (without GOPACKAGESDRIVER, so that
+// go/packages runs the go command too).
+func loggedGoCommand(t *testing.T) (env []string, log string) {
+	t.Helper()
+	if runtime.GOOS == "windows" {
+		t.Skip("the go command's stand-in is a shell script")
+	}
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command")
+	}
+	bin := t.TempDir()
+	log = filepath.Join(t.TempDir(), "log")
+	write(t, filepath.Join(bin, "go"), "#!/bin/sh\necho \"$*\" >> '"+log+"'\nexec '"+goBin+"' \"$@\"\n")
+	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	return append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH")), log
+}
+
+// goCommands returns the command lines loggedGoCommand logged.
+func goCommands(t *testing.T, log string) []string {
+	t.Helper()
 	out, err := os.ReadFile(log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	if len(lines) != 2 {
-		t.Errorf("Generate ran %d go commands, want 2 (the package, its dependencies' export data):\n%s", len(lines), out)
+	return strings.Split(strings.TrimSpace(string(out)), "\n")
+}
+
+// TestRecheckUsesExportData checks that the second load of a package that
+// uses a name this run generates (recheck, with the files it would write as
+// an overlay) type-checks only that package from source: its go list does
+// not compile it (-export=false), and a second go list, with the same
+// overlay, builds its dependencies' export data. go/packages with an
+// overlay lists with -export=true and -deps=true but then type-checks every
+// dependency from source (pgx, net/http, ...), most of the time of a
+// recheck; it also runs two more go lists first (the GOARCH and compiler,
+// the release tags).
+func TestRecheckUsesExportData(t *testing.T) {
+	env, log := loggedGoCommand(t)
+	mod := newModule(t)
+	dir := filepath.Join(mod, "recheck")
+	write(t, filepath.Join(dir, "a.go"), `package recheck
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/jackc/pgx/v5"
+)
+
+type Req struct{ A int }
+type Resp struct{ B string }
+
+//idem:http route="POST /op" status=201
+func Op(ctx context.Context, tx pgx.Tx, r Req) (Resp, error) { return Resp{}, nil }
+
+// A use of a generated name: judged again once the name exists.
+func routes(mux *http.ServeMux) { RegisterIdemRoutes(mux, nil) }
+`)
+	files, err := generator.Generate(context.Background(), generator.Config{Dir: dir, Env: env}, ".")
+	if err != nil || len(files) != 1 {
+		t.Fatalf("Generate: %v %v", files, err)
+	}
+	var overlaid []string
+	for _, line := range goCommands(t, log) {
+		if strings.Contains(line, "-overlay=") {
+			overlaid = append(overlaid, line)
+		}
+	}
+	if len(overlaid) != 2 ||
+		!strings.Contains(overlaid[0], "-export=false") || !strings.HasSuffix(overlaid[0], " -- example.com/golden/recheck") ||
+		!strings.Contains(overlaid[1], "-export=true") || !strings.Contains(overlaid[1], "-deps=false") {
+		t.Errorf("recheck's go commands with the overlay:\n%s\nwant two go lists: the package without compiling it, then its dependencies' export data", strings.Join(overlaid, "\n"))
 	}
 }
 

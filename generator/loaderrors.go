@@ -3,6 +3,9 @@ package generator
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -63,6 +66,13 @@ func reportLoadErrors(pkg *packages.Package, emitted map[string]map[string]bool)
 // part, so an error in them is reported too: idemgen succeeds only if the
 // packages build with what it would write. ok is false if the packages could
 // not be loaded; then the caller reports the errors it had.
+//
+// It loads like go vet (loadLikeVet), with the overlay given to the go
+// command as an -overlay file: only these packages are type-checked from
+// source, their dependencies come from export data the go command builds
+// with the overlay. go/packages with Config.Overlay type-checks every
+// dependency from source (pgx, net/http, ...) and is used only where the
+// vet-like loader gives way to it.
 func recheck(ctx context.Context, cfg Config, bc *buildConfig, pkgPaths []string, files []File) (errs map[string][]packages.Error, ok bool) {
 	overlay := map[string][]byte{}
 	for _, f := range files {
@@ -72,14 +82,21 @@ func recheck(ctx context.Context, cfg Config, bc *buildConfig, pkgPaths []string
 			overlay[f.Path] = []byte("//go:build ignore\n\npackage ignored\n")
 		}
 	}
-	pkgs, err := packages.Load(&packages.Config{
-		Context:    ctx,
-		Mode:       loadMode,
-		Dir:        cfg.Dir,
-		Env:        cfg.Env,
-		BuildFlags: bc.userFlags,
-		Overlay:    overlay,
-	}, pkgPaths...)
+	var pkgs []*packages.Package
+	err := errSlowPath
+	if ctx.Value(goPackagesOnly{}) == nil {
+		pkgs, err = recheckLikeVet(ctx, cfg, bc, pkgPaths, overlay)
+	}
+	if errors.Is(err, errSlowPath) {
+		pkgs, err = packages.Load(&packages.Config{
+			Context:    ctx,
+			Mode:       loadMode,
+			Dir:        cfg.Dir,
+			Env:        cfg.Env,
+			BuildFlags: bc.userFlags,
+			Overlay:    overlay,
+		}, pkgPaths...)
+	}
 	if err != nil {
 		return nil, false
 	}
@@ -99,6 +116,36 @@ func recheck(ctx context.Context, cfg Config, bc *buildConfig, pkgPaths []string
 		}
 	}
 	return errs, true
+}
+
+// recheckLikeVet is recheck's load with loadLikeVet: overlay is written to
+// a temporary directory, with the JSON file that maps each path to its
+// copy (go help build, -overlay), removed again when the load is done.
+func recheckLikeVet(ctx context.Context, cfg Config, bc *buildConfig, pkgPaths []string, overlay map[string][]byte) ([]*packages.Package, error) {
+	dir, err := os.MkdirTemp("", "idemgen-overlay-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	replace := map[string]string{}
+	for path, content := range overlay {
+		// One flat directory: a numbered copy per file, since packages
+		// share file names (idem_gen.go).
+		copyPath := filepath.Join(dir, fmt.Sprintf("%d-%s", len(replace), filepath.Base(path)))
+		if err := os.WriteFile(copyPath, content, 0o644); err != nil {
+			return nil, err
+		}
+		replace[path] = copyPath
+	}
+	js, err := json.Marshal(struct{ Replace map[string]string }{replace})
+	if err != nil {
+		return nil, err
+	}
+	jsonFile := filepath.Join(dir, "overlay.json")
+	if err := os.WriteFile(jsonFile, js, 0o644); err != nil {
+		return nil, err
+	}
+	return loadLikeVet(ctx, cfg, bc.withOverlay(jsonFile, overlay), pkgPaths)
 }
 
 // usesGenerated reports whether pos is an unresolved identifier naming

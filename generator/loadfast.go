@@ -136,10 +136,14 @@ func loadLikeVet(ctx context.Context, cfg Config, bc *buildConfig, patterns []st
 		p.Fset = fset
 		p.Syntax = make([]*ast.File, len(p.CompiledGoFiles))
 		for i, name := range p.CompiledGoFiles {
+			var src any // nil: the file on disk
+			if b, ok := bc.overlay[name]; ok {
+				src = b
+			}
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				f, err := parser.ParseFile(fset, name, nil, parser.AllErrors|parser.ParseComments|parser.SkipObjectResolution)
+				f, err := parser.ParseFile(fset, name, src, parser.AllErrors|parser.ParseComments|parser.SkipObjectResolution)
 				mu.Lock()
 				defer mu.Unlock()
 				p.Syntax[i] = f
@@ -318,6 +322,9 @@ func loadExports(ctx context.Context, cfg Config, bc *buildConfig, ids []string)
 // may judge files differently (GOFLAGS in go env, a toolchain's default
 // tags), and one pattern's package may import another's.
 func guessDeps(cfg Config, bc *buildConfig, patterns []string) []string {
+	if bc.overlay != nil {
+		return nil // the files are not the ones on disk, the tags not LoadTag's
+	}
 	bctx := bc.ctx
 	bctx.BuildTags = append(slices.Clone(bc.tags), LoadTag)
 	seen := map[string]bool{}
