@@ -159,6 +159,11 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	if len(withErrs) > 0 {
 		if again, ok := recheck(ctx, cfg, bc, withErrs, files); ok {
 			loadErrs = again
+		} else if err := ctx.Err(); err != nil {
+			// Not a load that failed: the run was cancelled, and the
+			// errors of the first load (none, for a package whose only
+			// ones were uses of generated names) must not let it succeed.
+			return nil, err
 		}
 	}
 	for _, path := range withErrs {

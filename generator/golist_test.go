@@ -2,12 +2,14 @@ package generator_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemgen/idemgen/generator"
 )
@@ -193,5 +195,86 @@ func Ov(ctx context.Context, tx pgx.Tx, r Req) (Req, error) { return r, nil }
 	files, err := generator.Generate(context.Background(), generator.Config{Dir: dir, Env: env}, ".")
 	if err == nil || !strings.Contains(err.Error(), added) || !strings.Contains(err.Error(), "overlay") {
 		t.Fatalf("Generate with a GOFLAGS overlay adding %s: files %v, error %v; want an error naming the file and the overlay", added, files, err)
+	}
+}
+
+// TestRecheckCancelled: a run cancelled while it checks a package again
+// with the files it would write (recheck) returns context.Canceled. recheck
+// took a failed load for "not loaded" and Generate went on with the errors
+// of the first load: with none but uses of generated names it returned the
+// files, and idemgen gen, interrupted, wrote them.
+func TestRecheckCancelled(t *testing.T) {
+	if runtime.GOOS == "windows" {
+		t.Skip("the go command's stand-in is a shell script")
+	}
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command")
+	}
+	// The go command's stand-in stops at recheck's first go command (the
+	// only one with an -overlay), after saying so, until it is interrupted.
+	bin := t.TempDir()
+	started := filepath.Join(t.TempDir(), "started")
+	write(t, filepath.Join(bin, "go"), "#!/bin/sh\ncase \"$*\" in *-overlay=*) touch '"+started+"'; exec sleep 60;; esac\nexec '"+goBin+"' \"$@\"\n")
+	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	env := append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
+	mod := newModule(t)
+	dir := filepath.Join(mod, "cancel")
+	write(t, filepath.Join(dir, "a.go"), `package cancel
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/jackc/pgx/v5"
+)
+
+type Req struct{ A int }
+
+//idem:http route="POST /op"
+func Op(ctx context.Context, tx pgx.Tx, r Req) (Req, error) { return r, nil }
+
+func routes(mux *http.ServeMux) { RegisterIdemRoutes(mux, nil) }
+`)
+	for _, loader := range []struct {
+		name string
+		ctx  context.Context
+	}{{"fast", context.Background()}, {"go/packages", generator.WithGoPackagesLoader(context.Background())}} {
+		t.Run(loader.name, func(t *testing.T) {
+			os.Remove(started)
+			ctx, cancel := context.WithCancel(loader.ctx)
+			defer cancel()
+			type result struct {
+				files []generator.File
+				err   error
+			}
+			done := make(chan result, 1)
+			go func() {
+				files, err := generator.Generate(ctx, generator.Config{Dir: dir, Env: env}, ".")
+				done <- result{files, err}
+			}()
+			deadline := time.After(time.Minute)
+		wait:
+			for {
+				select {
+				case r := <-done:
+					t.Fatalf("Generate returned before recheck's go command started: files %v, error %v", paths(r.files), r.err)
+				case <-deadline:
+					t.Fatal("recheck's go command did not start in a minute")
+				case <-time.After(10 * time.Millisecond):
+					if _, err := os.Stat(started); err == nil {
+						break wait
+					}
+				}
+			}
+			cancel()
+			r := <-done
+			if !errors.Is(r.err, context.Canceled) {
+				t.Errorf("Generate cancelled during recheck: files %v, error %v; want context.Canceled", paths(r.files), r.err)
+			}
+		})
 	}
 }
