@@ -905,6 +905,9 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 				// COMMIT may have gone through (see the keyed case below).
 				return nil, fmt.Errorf("%w: %w", errCommitUnknown, storageErr(ctx, "commit", err))
 			}
+			if refused := commitRefused(ctx, tx, err); refused != nil {
+				return nil, refused
+			}
 			return nil, storageErr(ctx, "commit", err)
 		}
 	} else {
@@ -950,6 +953,9 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 			// or runs the function again.
 			return nil, errRetryClaim
 		case errors.Is(err, dbx.ErrCommit):
+			if refused := commitRefused(ctx, tx, err); refused != nil {
+				return nil, refused
+			}
 			return nil, storageErr(ctx, "commit", err)
 		case c == "22P02" && strings.Contains(err.Error(), notClaimingTx):
 			// The function ended the claiming transaction and began
@@ -996,6 +1002,29 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 		return fmt.Errorf("%w: the function's statement conflicted with another transaction: %w", errBusy, err)
 	}
 	return err
+}
+
+// commitRefused returns err, the failure of the COMMIT of a function that
+// succeeded, as the function's own error when the database answered and
+// refused the function's writes: a DEFERRABLE INITIALLY DEFERRED unique or
+// foreign-key constraint (23505, 23503) or a deferred constraint trigger
+// raising an exception, checked only at COMMIT. Such a COMMIT rolled back
+// (the key's claim and its transaction-scoped lock with it) and fails the
+// same way on every retry: answered 503 "storage unavailable; retry later",
+// it invited retries that could never succeed and looked like an outage. It
+// is classified as the same error returned by the function's own statement
+// would be (classifyFunctionError: 500, or 422 for a value PostgreSQL
+// refused), with the consumer's test of a COMMIT refused by the handler's
+// writes (commitRefusedByWrites). It returns nil for a failure of the
+// database's: a dead connection or a session the server ended (the caller
+// has already answered those "Outcome unknown"), or an outage SQLSTATE
+// (isOutageError: 57014, 57P01, 53100, ...; 40001 and 40P01 of the keyed
+// path are retried before this is asked).
+func commitRefused(ctx context.Context, tx pgx.Tx, err error) error {
+	if tx.Conn().IsClosed() || sessionEnded(err) || !commitRefusedByWrites(err) {
+		return nil
+	}
+	return classifyFunctionError(ctx, tx, fmt.Errorf("commit refused the function's writes: %w", err))
 }
 
 // keyRowConflict reports a unique violation in idem_keys: the key's row,

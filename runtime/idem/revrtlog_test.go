@@ -23,9 +23,12 @@ import (
 
 // Outside review (revrt). Folding the 503 log lines must not hide a
 // different failure behind another endpoint's: scope a's function fails
-// every request at COMMIT (a deferred unique constraint, 23505), and while
-// its lines are folded scope b fails once with another error (a deferred
-// foreign key, 23503). Both are "idempotency storage failed" 503s; folded by
+// every request at COMMIT with an outage SQLSTATE (a deferred trigger raises
+// 53100, disk full), and while its lines are folded scope b fails once with
+// another (53200, out of memory). (This test used a deferred unique
+// constraint, 23505, and foreign key, 23503: those are the function's
+// failures now, 500s, TestDeferredConstraintAtCommitIsNotOutage.) Both are
+// "idempotency storage failed" 503s; folded by
 // message alone, b's failure was only counted, and the interval's summary
 // carries the last failure's scope and error (a's): b's never reached the
 // log. Each endpoint and SQLSTATE is its own kind now, so b's first failure
@@ -36,9 +39,11 @@ func TestRevrtFoldedFailuresKeepScopesApart(t *testing.T) {
 	if err := idem.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Exec(t, pool, `CREATE TABLE uniq (v text, UNIQUE (v) DEFERRABLE INITIALLY DEFERRED);
-CREATE TABLE parent (id int PRIMARY KEY);
-CREATE TABLE child (parent int REFERENCES parent DEFERRABLE INITIALLY DEFERRED)`)
+	pgtest.Exec(t, pool, `CREATE FUNCTION fail_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'failing at COMMIT' USING ERRCODE = NEW.code; END $$;
+CREATE TABLE fails (code text);
+CREATE CONSTRAINT TRIGGER fail_commit AFTER INSERT ON fails DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION fail_commit()`)
 	logs := &lockedBuffer{}
 	engine, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{
 		Logger:             slog.New(slog.NewTextHandler(logs, nil)),
@@ -48,11 +53,11 @@ CREATE TABLE child (parent int REFERENCES parent DEFERRABLE INITIALLY DEFERRED)`
 		t.Fatal(err)
 	}
 	a := idem.Handle(engine, idem.Endpoint{Scope: "a"}, func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) {
-		_, err := tx.Exec(ctx, `INSERT INTO uniq VALUES ('x'), ('x')`)
+		_, err := tx.Exec(ctx, `INSERT INTO fails VALUES ('53100')`)
 		return receipt{}, err
 	})
 	b := idem.Handle(engine, idem.Endpoint{Scope: "b"}, func(ctx context.Context, tx pgx.Tx, r chargeReq) (receipt, error) {
-		_, err := tx.Exec(ctx, `INSERT INTO child VALUES (1)`)
+		_, err := tx.Exec(ctx, `INSERT INTO fails VALUES ('53200')`)
 		return receipt{}, err
 	})
 	wantProblem(t, do(a, "a1", body1), http.StatusServiceUnavailable)
@@ -62,14 +67,14 @@ CREATE TABLE child (parent int REFERENCES parent DEFERRABLE INITIALLY DEFERRED)`
 	var aLines, bLines int
 	for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
 		switch {
-		case strings.Contains(l, "scope=a") && strings.Contains(l, "23505"):
+		case strings.Contains(l, "scope=a") && strings.Contains(l, "53100"):
 			aLines++
-		case strings.Contains(l, "scope=b") && strings.Contains(l, "23503"):
+		case strings.Contains(l, "scope=b") && strings.Contains(l, "53200"):
 			bLines++
 		}
 	}
 	if aLines != 1 || bLines != 1 {
-		t.Fatalf("logged %d lines of scope a's 23505 (want 1: the rest folded) and %d of scope b's 23503 (want 1):\n%s", aLines, bLines, logs)
+		t.Fatalf("logged %d lines of scope a's 53100 (want 1: the rest folded) and %d of scope b's 53200 (want 1):\n%s", aLines, bLines, logs)
 	}
 }
 
