@@ -161,14 +161,22 @@ func running(pid int) bool {
 	return true
 }
 
-// servesData reports whether pid's command line names data (a pid in a
-// stale postmaster.pid may since belong to another process). Without
-// procfs it cannot tell and says yes.
+// servesData reports whether pid's command line is a server's for data:
+// the arguments "-D" and data, as Start passes them (a pid in a stale
+// postmaster.pid may since belong to another process, and one merely
+// naming a file in data, such as "tail -f data/postgresql.conf", is not
+// the server). Without procfs it cannot tell and says yes.
 func servesData(pid int, data string) bool {
 	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	if err != nil {
 		_, noProcfs := os.Stat("/proc/self")
 		return noProcfs != nil
 	}
-	return bytes.Contains(cmdline, []byte(data))
+	args := bytes.Split(bytes.TrimSuffix(cmdline, []byte{0}), []byte{0})
+	for i := 1; i+1 < len(args); i++ {
+		if string(args[i]) == "-D" && string(args[i+1]) == data {
+			return true
+		}
+	}
+	return false
 }
