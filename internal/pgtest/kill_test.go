@@ -24,16 +24,34 @@ import (
 // the directory. The old one, daemonized by pg_ctl, ran on for ever with its
 // directory, a port and shared memory.
 func TestKilledTestLeavesNoCluster(t *testing.T) {
-	if os.Getenv("PGTEST_KILLED_CHILD") == "1" {
+	switch os.Getenv("PGTEST_KILLED_CHILD") {
+	case "1":
 		c := pgtest.PrivateCluster(t)
 		dir, pid := pgtest.DirAndPID(c)
 		fmt.Printf("\ncluster %s %d\n", dir, pid)
 		time.Sleep(time.Hour) // until killed
 		return
+	case "reap":
+		pgtest.PrivateCluster(t)
+		return
 	}
 	t.Parallel()
+	// The children's clusters go in a TMPDIR of this test's own: the
+	// PrivateCluster of any other test process running meanwhile (go test
+	// with several packages) would reap the killed child's directory
+	// before this test looks at it.
+	// (Not t.TempDir: its 0700 parent keeps out the postgres user, as whom
+	// the server runs when the tests run as root.)
+	tmp, err := os.MkdirTemp("", "pgtest-killed-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(tmp) })
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestKilledTestLeavesNoCluster$", "-test.v")
-	cmd.Env = append(os.Environ(), "PGTEST_KILLED_CHILD=1")
+	cmd.Env = append(os.Environ(), "PGTEST_KILLED_CHILD=1", "TMPDIR="+tmp)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -84,7 +102,11 @@ func TestKilledTestLeavesNoCluster(t *testing.T) {
 		t.Fatalf("the killed test's cluster directory is gone before any reaping, so this test shows nothing: %v", err)
 	}
 
-	pgtest.PrivateCluster(t)
+	reap := exec.Command(os.Args[0], "-test.run=^TestKilledTestLeavesNoCluster$", "-test.v")
+	reap.Env = append(os.Environ(), "PGTEST_KILLED_CHILD=reap", "TMPDIR="+tmp)
+	if out, err := reap.CombinedOutput(); err != nil {
+		t.Fatalf("the next PrivateCluster: %v\n%s", err, out)
+	}
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Fatalf("the killed test's cluster directory %s is still there after the next PrivateCluster (stat: %v)", dir, err)
 	}
