@@ -113,7 +113,11 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	var files []File
 	loadErrs := map[string][]packages.Error{} // by package path
 	var withErrs, usesGenerated []string
+	firstFile := map[string]string{} // package path → a file of it, for errors
 	for i, pkg := range pkgs {
+		if len(pkg.GoFiles) > 0 {
+			firstFile[pkg.PkgPath] = pkg.GoFiles[0]
+		}
 		le, suppressed := reportLoadErrors(pkg, emitted)
 		if len(le) > 0 {
 			loadErrs[pkg.PkgPath] = le
@@ -164,6 +168,14 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 			// errors of the first load (none, for a package whose only
 			// ones were uses of generated names) must not let it succeed.
 			return nil, err
+		} else if len(errs.errs) == 0 {
+			// The load failed (no usable temporary directory, say): a
+			// package whose only errors were uses of generated names has
+			// none left from the first load, yet how it uses them was
+			// never checked, so it must not pass unchecked.
+			for _, path := range usesGenerated {
+				errs.add(token.Position{Filename: firstFile[path]}, "could not type-check package %s with the generated files, so its uses of generated names are unchecked; see go build", path)
+			}
 		}
 	}
 	for _, path := range withErrs {

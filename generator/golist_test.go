@@ -278,3 +278,62 @@ func routes(mux *http.ServeMux) { RegisterIdemRoutes(mux, nil) }
 		})
 	}
 }
+
+// TestRecheckLoadFails: when recheck cannot load the packages (here every
+// go command with an -overlay fails, as when the go command finds no
+// usable temporary directory), a package whose only errors were uses of
+// generated names must not pass unchecked: c calls a.RegisterIdemRoutes
+// with too few arguments, and gen would write a's idem_gen.go while c does
+// not build.
+func TestRecheckLoadFails(t *testing.T) {
+	if runtime.GOOS == "windows" {
+		t.Skip("the go command's stand-in is a shell script")
+	}
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command")
+	}
+	bin := t.TempDir()
+	write(t, filepath.Join(bin, "go"), "#!/bin/sh\ncase \"$*\" in *-overlay=*) echo 'no temporary directory' >&2; exit 1;; esac\nexec '"+goBin+"' \"$@\"\n")
+	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	env := append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
+	mod := newModule(t)
+	write(t, filepath.Join(mod, "recheckfail", "a", "a.go"), `package a
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+type Svc struct{}
+
+//idem:http route="POST /x"
+func (s *Svc) Do(ctx context.Context, tx pgx.Tx, in string) (string, error) { return in, nil }
+`)
+	write(t, filepath.Join(mod, "recheckfail", "c", "c.go"), `package c
+
+import (
+	"net/http"
+
+	"example.com/golden/recheckfail/a"
+)
+
+func Setup(mux *http.ServeMux) { a.RegisterIdemRoutes(mux) }
+`)
+	for _, loader := range []string{"fast", "go/packages"} {
+		t.Run(loader, func(t *testing.T) {
+			ctx := context.Background()
+			if loader == "go/packages" {
+				ctx = generator.WithGoPackagesLoader(ctx)
+			}
+			files, err := generator.Generate(ctx, generator.Config{Dir: mod, Env: env}, "./recheckfail/...")
+			if err == nil || !strings.Contains(err.Error(), "recheckfail/c/c.go: could not type-check package example.com/golden/recheckfail/c") {
+				t.Fatalf("recheck's load failed: files %d, error %v; want an error for package c", len(files), err)
+			}
+		})
+	}
+}
