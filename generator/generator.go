@@ -186,6 +186,12 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 	if err := errs.result(); err != nil {
 		return nil, err
 	}
+	// The last go command may have finished just before a cancellation
+	// that nothing since has looked at (type-checking does not): files
+	// returned now would still be written by an interrupted idemgen gen.
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	sort.Slice(files, func(i, j int) bool { return files[i].Path < files[j].Path })
 	return files, nil
 }

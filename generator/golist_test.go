@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -333,6 +334,87 @@ func Setup(mux *http.ServeMux) { a.RegisterIdemRoutes(mux) }
 			files, err := generator.Generate(ctx, generator.Config{Dir: mod, Env: env}, "./recheckfail/...")
 			if err == nil || !strings.Contains(err.Error(), "recheckfail/c/c.go: could not type-check package example.com/golden/recheckfail/c") {
 				t.Fatalf("recheck's load failed: files %d, error %v; want an error for package c", len(files), err)
+			}
+		})
+	}
+}
+
+// lateCancel is a context cancelled the first time Err is asked after the
+// file marker exists: a cancellation that comes right after a go command
+// has exited, which no go command of the run sees.
+type lateCancel struct {
+	context.Context
+	marker string
+	once   sync.Once
+	done   chan struct{}
+}
+
+func (c *lateCancel) Done() <-chan struct{} { return c.done }
+
+func (c *lateCancel) Err() error {
+	if _, err := os.Stat(c.marker); err == nil {
+		c.once.Do(func() { close(c.done) })
+	}
+	select {
+	case <-c.done:
+		return context.Canceled
+	default:
+		return nil
+	}
+}
+
+// TestCancelledAfterRecheck: a run cancelled after recheck's last go
+// command exited (while the packages are type-checked) returns
+// context.Canceled, not files an interrupted idemgen gen would write.
+func TestCancelledAfterRecheck(t *testing.T) {
+	if runtime.GOOS == "windows" {
+		t.Skip("the go command's stand-in is a shell script")
+	}
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command")
+	}
+	bin := t.TempDir()
+	marker := filepath.Join(t.TempDir(), "rechecked")
+	// Every recheck go command (the only ones with -overlay) runs, then
+	// marks that one has finished.
+	write(t, filepath.Join(bin, "go"), "#!/bin/sh\ncase \"$*\" in *-overlay=*) '"+goBin+"' \"$@\"; rc=$?; touch '"+marker+"'; exit $rc;; esac\nexec '"+goBin+"' \"$@\"\n")
+	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	env := append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
+	mod := newModule(t)
+	write(t, filepath.Join(mod, "latecancel", "a.go"), `package latecancel
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+type Svc struct{}
+
+//idem:http route="POST /x"
+func (s *Svc) Do(ctx context.Context, tx pgx.Tx, in string) (string, error) { return in, nil }
+
+func Setup(mux *http.ServeMux) { RegisterIdemRoutes(mux, (*idem.HTTP)(nil), &Svc{}) }
+`)
+	for _, loader := range []string{"fast", "go/packages"} {
+		t.Run(loader, func(t *testing.T) {
+			os.Remove(marker)
+			var ctx context.Context = &lateCancel{Context: context.Background(), marker: marker, done: make(chan struct{})}
+			if loader == "go/packages" {
+				ctx = generator.WithGoPackagesLoader(ctx)
+			}
+			files, err := generator.Generate(ctx, generator.Config{Dir: mod, Env: env}, "./latecancel")
+			if _, statErr := os.Stat(marker); statErr != nil {
+				t.Fatalf("recheck ran no go command: %v (files %d, error %v)", statErr, len(files), err)
+			}
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("Generate cancelled after recheck's go commands: files %d, error %v; want context.Canceled", len(files), err)
 			}
 		})
 	}
