@@ -985,6 +985,9 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	if errors.As(err, &e) {
 		return err
 	}
+	if cerr := cancelledByCtx(ctx, err); cerr != nil {
+		return cerr
+	}
 	if tx.Conn().IsClosed() {
 		// The function failed because the database connection died under
 		// it: a storage failure (503, retry later), not a bug (500).
@@ -1042,6 +1045,21 @@ func keyRowConflict(err error) bool {
 // notClaimingTx is in the message of StoreKey's failure when it runs in
 // another transaction than the one that claimed the key.
 const notClaimingTx = "idem: not the transaction that claimed the key"
+
+// cancelledByCtx returns ctx's error wrapping err when ctx has ended and
+// err is the server's 57014 (query_canceled): with a pool whose context
+// watcher sends a cancel request (pgconn.CancelRequestContextWatcherHandler)
+// instead of closing the connection, a client that goes away during the
+// function's statement or its COMMIT gets "canceling statement due to user
+// request", a statement error on a healthy connection. The transaction
+// rolled back; it is the request's cancellation (context.Canceled kept),
+// not the function's failure (500) nor a storage outage. nil otherwise.
+func cancelledByCtx(ctx context.Context, err error) error {
+	if ctxErr := ctx.Err(); ctxErr != nil && pgCode(err) == "57014" {
+		return fmt.Errorf("%w: %w", ctxErr, err)
+	}
+	return nil
+}
 
 // sessionEnded reports an error with which the server ended the session
 // (severity FATAL or PANIC), as opposed to one that ended a statement or a
@@ -1161,6 +1179,9 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 func storageErr(ctx context.Context, doing string, err error) error {
 	if ctxErr := ctx.Err(); ctxErr != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 		return ctxErr
+	}
+	if cerr := cancelledByCtx(ctx, err); cerr != nil {
+		return cerr
 	}
 	return fmt.Errorf("%w: %s: %w", errStorage, doing, err)
 }
