@@ -290,68 +290,34 @@ func TestRevhcClientGoneDuringCommit(t *testing.T) {
 // common pgx configuration): the server ends the COMMIT with 57014 and
 // the connection stays open. Not the function's failure; nothing commits.
 func TestRevhcClientGoneDuringCommitCancelRequest(t *testing.T) {
-	for _, key := range []string{"k-gone", ""} {
-		t.Run("key="+key, func(t *testing.T) {
-			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
-				c.ConnConfig.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
-					return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 10 * time.Second}
-				}
-			})
-			e := newEnvPool(t, pool)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			lockID := int64(0x72657600) + int64(len(key))
-			pgtest.Exec(t, e.pool, `CREATE FUNCTION wait_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-				BEGIN PERFORM pg_advisory_xact_lock(`+strconv.FormatInt(lockID, 10)+`); RETURN NULL; END $$;
-				CREATE CONSTRAINT TRIGGER wait_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
-					FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION wait_commit()`)
-			holder, err := e.pool.Acquire(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer holder.Release()
-			if _, err := holder.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, lockID); err != nil {
-				t.Fatal(err)
-			}
-			defer holder.Exec(context.Background(), `SELECT pg_advisory_unlock_all()`)
-			ep := idem.Endpoint{}
-			if key == "" {
-				ep = idem.Endpoint{Scope: "test.nokey", KeyOptional: true}
-			}
-			h := e.handler(ep)
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan result, 1)
-			go func() { done <- doCtx(ctx, h, key, body1) }()
-			deadline := time.Now().Add(20 * time.Second)
-			for pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1`, uint32(lockID)) == 0 {
-				if time.Now().After(deadline) {
-					t.Fatal("COMMIT never waited for the lock")
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-			cancel()
-			r := <-done
-			t.Logf("answer %d %s\nlog:\n%s", r.status, r.body, logs)
-			if r.status == http.StatusInternalServerError || strings.Contains(logs.String(), "idempotent handler failed") {
-				t.Fatalf("client gone answered as the function's failure: %d %s\n%s", r.status, r.body, logs)
-			}
-			if r.status != http.StatusServiceUnavailable || !strings.Contains(string(r.body), "request cancelled") ||
-				strings.Contains(logs.String(), "idempotency storage failed") {
-				t.Fatalf("client gone: %d %s, want the cancellation 503 and no storage-failure log:\n%s", r.status, r.body, logs)
-			}
-			if e.effects() != 0 || e.keys() != 0 {
-				t.Fatalf("%d effects, %d keys after a cancelled request, want 0, 0", e.effects(), e.keys())
-			}
-		})
-	}
+	clientGoneCancelRequest(t, 0x72657600, func(t *testing.T, e *env, lockID int64) {
+		pgtest.Exec(t, e.pool, `CREATE FUNCTION wait_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN PERFORM pg_advisory_xact_lock(`+strconv.FormatInt(lockID, 10)+`); RETURN NULL; END $$;
+			CREATE CONSTRAINT TRIGGER wait_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+				FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION wait_commit()`)
+	})
 }
 
-// As TestRevhcClientGoneDuringCommitCancelRequest, the client gone while the
-// function's own statement runs, with a pool whose context watcher
-// sends a cancel request (pgconn.CancelRequestContextWatcherHandler, a
-// common pgx configuration): the server ends the COMMIT with 57014 and
-// the connection stays open. Not the function's failure; nothing commits.
+// As TestRevhcClientGoneDuringCommitCancelRequest, the client gone while
+// the function's own statement runs: the server ends that statement with
+// 57014 and the connection stays open. Not the function's failure; nothing
+// commits.
 func TestRevhcClientGoneDuringStatementCancelRequest(t *testing.T) {
+	clientGoneCancelRequest(t, 0x72657610, func(_ *testing.T, e *env, lockID int64) {
+		e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+			_, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lockID)
+			return err
+		}
+	})
+}
+
+// clientGoneCancelRequest runs a request, with a key and without, on a
+// pool whose context watcher sends a cancel request; block makes the
+// request wait for the advisory lock lockID (held here) at the point under
+// test. Once the request waits, its context is cancelled: the answer must
+// be the cancellation's 503, logged neither as the function's failure nor
+// as a storage failure, with nothing committed.
+func clientGoneCancelRequest(t *testing.T, lockBase int64, block func(t *testing.T, e *env, lockID int64)) {
 	for _, key := range []string{"k-gone", ""} {
 		t.Run("key="+key, func(t *testing.T) {
 			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
@@ -362,11 +328,8 @@ func TestRevhcClientGoneDuringStatementCancelRequest(t *testing.T) {
 			e := newEnvPool(t, pool)
 			logs := &lockedBuffer{}
 			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			lockID := int64(0x72657610) + int64(len(key))
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				_, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lockID)
-				return err
-			}
+			lockID := lockBase + int64(len(key))
+			block(t, e, lockID)
 			holder, err := e.pool.Acquire(context.Background())
 			if err != nil {
 				t.Fatal(err)
@@ -387,7 +350,7 @@ func TestRevhcClientGoneDuringStatementCancelRequest(t *testing.T) {
 			deadline := time.Now().Add(20 * time.Second)
 			for pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1`, uint32(lockID)) == 0 {
 				if time.Now().After(deadline) {
-					t.Fatal("COMMIT never waited for the lock")
+					t.Fatal("the request never waited for the lock")
 				}
 				time.Sleep(10 * time.Millisecond)
 			}
