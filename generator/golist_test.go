@@ -91,6 +91,20 @@ func Op(ctx context.Context, tx pgx.Tx, r Req) (Resp, error) { return Resp{}, ni
 // go/packages runs the go command too).
 func loggedGoCommand(t *testing.T) (env []string, log string) {
 	t.Helper()
+	log = filepath.Join(t.TempDir(), "log")
+	env = goStandIn(t, func(goBin string) string {
+		return "echo \"$*\" >> '" + log + "'\nexec '" + goBin + "' \"$@\"\n"
+	})
+	return env, log
+}
+
+// goStandIn puts a shell script first on PATH as the go command, its body
+// script(the real go command's path) after the #! line, and returns the
+// environment for Generate (without GOPACKAGESDRIVER, so that go/packages
+// runs the go command too). It skips the test where there is no shell or
+// no go command.
+func goStandIn(t *testing.T, script func(goBin string) string) []string {
+	t.Helper()
 	if runtime.GOOS == "windows" {
 		t.Skip("the go command's stand-in is a shell script")
 	}
@@ -99,13 +113,12 @@ func loggedGoCommand(t *testing.T) (env []string, log string) {
 		t.Skip("no go command")
 	}
 	bin := t.TempDir()
-	log = filepath.Join(t.TempDir(), "log")
-	write(t, filepath.Join(bin, "go"), "#!/bin/sh\necho \"$*\" >> '"+log+"'\nexec '"+goBin+"' \"$@\"\n")
+	write(t, filepath.Join(bin, "go"), "#!/bin/sh\n"+script(goBin))
 	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	return append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH")), log
+	return append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
 }
 
 // goCommands returns the command lines loggedGoCommand logged.
@@ -205,23 +218,12 @@ func Ov(ctx context.Context, tx pgx.Tx, r Req) (Req, error) { return r, nil }
 // of the first load: with none but uses of generated names it returned the
 // files, and idemgen gen, interrupted, wrote them.
 func TestRecheckCancelled(t *testing.T) {
-	if runtime.GOOS == "windows" {
-		t.Skip("the go command's stand-in is a shell script")
-	}
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("no go command")
-	}
 	// The go command's stand-in stops at recheck's first go command (the
 	// only one with an -overlay), after saying so, until it is interrupted.
-	bin := t.TempDir()
 	started := filepath.Join(t.TempDir(), "started")
-	write(t, filepath.Join(bin, "go"), "#!/bin/sh\ncase \"$*\" in *-overlay=*) touch '"+started+"'; exec sleep 60;; esac\nexec '"+goBin+"' \"$@\"\n")
-	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	env := append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
+	env := goStandIn(t, func(goBin string) string {
+		return "case \"$*\" in *-overlay=*) touch '" + started + "'; exec sleep 60;; esac\nexec '" + goBin + "' \"$@\"\n"
+	})
 	mod := newModule(t)
 	dir := filepath.Join(mod, "cancel")
 	write(t, filepath.Join(dir, "a.go"), `package cancel
@@ -287,20 +289,9 @@ func routes(mux *http.ServeMux) { RegisterIdemRoutes(mux, nil) }
 // with too few arguments, and gen would write a's idem_gen.go while c does
 // not build.
 func TestRecheckLoadFails(t *testing.T) {
-	if runtime.GOOS == "windows" {
-		t.Skip("the go command's stand-in is a shell script")
-	}
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("no go command")
-	}
-	bin := t.TempDir()
-	write(t, filepath.Join(bin, "go"), "#!/bin/sh\ncase \"$*\" in *-overlay=*) echo 'no temporary directory' >&2; exit 1;; esac\nexec '"+goBin+"' \"$@\"\n")
-	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	env := append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
+	env := goStandIn(t, func(goBin string) string {
+		return "case \"$*\" in *-overlay=*) echo 'no temporary directory' >&2; exit 1;; esac\nexec '" + goBin + "' \"$@\"\n"
+	})
 	mod := newModule(t)
 	write(t, filepath.Join(mod, "recheckfail", "a", "a.go"), `package a
 
@@ -367,23 +358,12 @@ func (c *lateCancel) Err() error {
 // command exited (while the packages are type-checked) returns
 // context.Canceled, not files an interrupted idemgen gen would write.
 func TestCancelledAfterRecheck(t *testing.T) {
-	if runtime.GOOS == "windows" {
-		t.Skip("the go command's stand-in is a shell script")
-	}
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("no go command")
-	}
-	bin := t.TempDir()
 	marker := filepath.Join(t.TempDir(), "rechecked")
 	// Every recheck go command (the only ones with -overlay) runs, then
 	// marks that one has finished.
-	write(t, filepath.Join(bin, "go"), "#!/bin/sh\ncase \"$*\" in *-overlay=*) '"+goBin+"' \"$@\"; rc=$?; touch '"+marker+"'; exit $rc;; esac\nexec '"+goBin+"' \"$@\"\n")
-	if err := os.Chmod(filepath.Join(bin, "go"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	env := append(goEnv(), "GOPACKAGESDRIVER=off", "PATH="+os.Getenv("PATH"))
+	env := goStandIn(t, func(goBin string) string {
+		return "case \"$*\" in *-overlay=*) '" + goBin + "' \"$@\"; rc=$?; touch '" + marker + "'; exit $rc;; esac\nexec '" + goBin + "' \"$@\"\n"
+	})
 	mod := newModule(t)
 	write(t, filepath.Join(mod, "latecancel", "a.go"), `package latecancel
 
