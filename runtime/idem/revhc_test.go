@@ -217,31 +217,8 @@ func TestRevhcClientGoneDuringCommit(t *testing.T) {
 				BEGIN PERFORM pg_advisory_xact_lock(`+strconv.FormatInt(lockID, 10)+`); RETURN NULL; END $$;
 				CREATE CONSTRAINT TRIGGER wait_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
 					FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION wait_commit()`)
-			holder, err := e.pool.Acquire(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := holder.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, lockID); err != nil {
-				t.Fatal(err)
-			}
-			ep := idem.Endpoint{}
-			if key == "" {
-				ep = idem.Endpoint{Scope: "test.nokey", KeyOptional: true}
-			}
-			h := e.handler(ep)
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan result, 1)
-			go func() { done <- doCtx(ctx, h, key, body1) }()
-			// Wait until COMMIT's trigger waits for the lock.
-			deadline := time.Now().Add(20 * time.Second)
-			for pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1`, uint32(lockID)) == 0 {
-				if time.Now().After(deadline) {
-					t.Fatal("COMMIT never waited for the lock")
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-			cancel()
-			r := <-done
+			// COMMIT's trigger waits for the lock when the client goes.
+			h, holder, r := cancelledWhileBlocked(t, e, key, lockID)
 			if _, err := holder.Exec(context.Background(), `SELECT pg_advisory_unlock($1)`, lockID); err != nil {
 				t.Fatal(err)
 			}
@@ -253,7 +230,7 @@ func TestRevhcClientGoneDuringCommit(t *testing.T) {
 				t.Fatalf("client gone during COMMIT: %d %s", r.status, r.body)
 			}
 			// Let a possibly still-running backend finish before counting.
-			deadline = time.Now().Add(20 * time.Second)
+			deadline := time.Now().Add(20 * time.Second)
 			for pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = $1`, uint32(lockID)) != 0 {
 				if time.Now().After(deadline) {
 					t.Fatal("the lock is still held or waited for")
@@ -330,32 +307,9 @@ func clientGoneCancelRequest(t *testing.T, lockBase int64, block func(t *testing
 			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 			lockID := lockBase + int64(len(key))
 			block(t, e, lockID)
-			holder, err := e.pool.Acquire(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
+			_, holder, r := cancelledWhileBlocked(t, e, key, lockID)
 			defer holder.Release()
-			if _, err := holder.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, lockID); err != nil {
-				t.Fatal(err)
-			}
 			defer holder.Exec(context.Background(), `SELECT pg_advisory_unlock_all()`)
-			ep := idem.Endpoint{}
-			if key == "" {
-				ep = idem.Endpoint{Scope: "test.nokey", KeyOptional: true}
-			}
-			h := e.handler(ep)
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan result, 1)
-			go func() { done <- doCtx(ctx, h, key, body1) }()
-			deadline := time.Now().Add(20 * time.Second)
-			for pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1`, uint32(lockID)) == 0 {
-				if time.Now().After(deadline) {
-					t.Fatal("the request never waited for the lock")
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-			cancel()
-			r := <-done
 			t.Logf("answer %d %s\nlog:\n%s", r.status, r.body, logs)
 			if r.status == http.StatusInternalServerError || strings.Contains(logs.String(), "idempotent handler failed") {
 				t.Fatalf("client gone answered as the function's failure: %d %s\n%s", r.status, r.body, logs)
@@ -369,4 +323,40 @@ func clientGoneCancelRequest(t *testing.T, lockBase int64, block func(t *testing
 			}
 		})
 	}
+}
+
+// cancelledWhileBlocked holds the advisory lock lockID on a connection of
+// its own (holder, returned still holding it), sends key's request (no key:
+// an endpoint where it is optional) and, once the request's backend waits
+// for that lock, cancels the request's context. It returns the handler, the
+// holder and the answer.
+func cancelledWhileBlocked(t *testing.T, e *env, key string, lockID int64) (http.Handler, *pgxpool.Conn, result) {
+	t.Helper()
+	holder, err := e.pool.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, lockID); err != nil {
+		holder.Release()
+		t.Fatal(err)
+	}
+	ep := idem.Endpoint{}
+	if key == "" {
+		ep = idem.Endpoint{Scope: "test.nokey", KeyOptional: true}
+	}
+	h := e.handler(ep)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan result, 1)
+	go func() { done <- doCtx(ctx, h, key, body1) }()
+	deadline := time.Now().Add(20 * time.Second)
+	for pgtest.Count(t, e.pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1`, uint32(lockID)) == 0 {
+		if time.Now().After(deadline) {
+			cancel()
+			holder.Release()
+			t.Fatal("the request never waited for the lock")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	return h, holder, <-done
 }
