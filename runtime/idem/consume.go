@@ -500,20 +500,15 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 			// CheckOwnTransaction can. The record's failure.
 			return fmt.Errorf("%w, and began another: %w", errTxEndedByHandler, err)
 		}
-		if sessionEnded(err) || tx.Conn().IsClosed() {
-			// The server ended the session (FATAL: 25P03 the
-			// idle-in-transaction timeout, 57P01 ...) or the connection
-			// died: no verdict on the handler's writes, and the COMMIT may
-			// or may not have taken effect. An outage: retried on another
-			// connection, where the processed-event row dedupes it.
-			return &storageError{op: "commit", err: err}
-		}
-		if commitRefusedByWrites(err) {
+		if commitRefusedByWrites(tx, err) {
 			// The database answered: it is the handler's writes (or what the
 			// handler did to its transaction) it refused, the record's
 			// failure. Waiting it out as an outage retried it forever.
 			return fmt.Errorf("commit refused the handler's transaction: %w", err)
 		}
+		// An outage, a session the server ended or a dead connection:
+		// retried on another connection, where the processed-event row
+		// dedupes a COMMIT that did take effect.
 		return &storageError{op: "commit", err: err}
 	}
 	return nil

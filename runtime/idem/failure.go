@@ -227,8 +227,14 @@ func isDataError(err error) bool {
 // Each recurs on every attempt with the database healthy, so it is the
 // record's failure: it uses the budget and ends as a dead letter. A network
 // error, a timeout or an outage SQLSTATE (40001 at COMMIT of a serializable
-// transaction, 57P01, 53100 disk full, ...) stays an outage.
-func commitRefusedByWrites(err error) bool {
+// transaction, 57P01, 53100 disk full, ...) stays an outage, and so does a
+// session the server ended (FATAL: 25P03 the idle-in-transaction timeout,
+// ...) or a connection that died: no verdict on the writes, and the COMMIT
+// may or may not have taken effect.
+func commitRefusedByWrites(tx pgx.Tx, err error) bool {
+	if sessionEnded(err) || tx.Conn().IsClosed() {
+		return false
+	}
 	if errors.Is(err, pgx.ErrTxCommitRollback) || errors.Is(err, pgx.ErrTxClosed) {
 		return true
 	}

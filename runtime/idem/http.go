@@ -1024,7 +1024,7 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 // (isOutageError: 57014, 57P01, 53100, ...; 40001 and 40P01 of the keyed
 // path are retried before this is asked).
 func commitRefused(ctx context.Context, tx pgx.Tx, err error) error {
-	if tx.Conn().IsClosed() || sessionEnded(err) || !commitRefusedByWrites(err) {
+	if !commitRefusedByWrites(tx, err) {
 		return nil
 	}
 	return classifyFunctionError(ctx, tx, fmt.Errorf("commit refused the function's writes: %w", err))
