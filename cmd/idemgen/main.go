@@ -82,11 +82,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintln(stderr, err)
 			return 1
 		}
-		if err := ctx.Err(); err != nil {
-			// Interrupted after Generate returned: write nothing.
-			fmt.Fprintln(stderr, err)
-			return 1
-		}
 		if err := write(files); err != nil {
 			fmt.Fprintln(stderr, "idemgen:", err)
 			return 1
