@@ -19,6 +19,14 @@ SELECT set_config('client_connection_check_interval', @interval::text, true);
 -- Transaction-scoped.
 SELECT set_config('idle_in_transaction_session_timeout', @timeout::text, true);
 
+-- name: SessionIdleInTransactionTimeout :one
+-- The session's idle_in_transaction_session_timeout in milliseconds (0:
+-- off), read when a session ended with 25P03 and the runtime did not set
+-- the timeout itself (it was left to the server's or the role's setting):
+-- whether the function that ran before it idled at least that long decides
+-- whose failure it was.
+SELECT (extract(epoch FROM current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::bigint AS ms;
+
 -- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true);
 

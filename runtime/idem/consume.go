@@ -243,7 +243,9 @@ type ProcessorConfig struct {
 	// connection open and its processed-event row locked; after this the
 	// server ends its session, so the member that took its partitions over
 	// applies the record instead of waiting for it to wake up. It must be
-	// longer than the longest pause between the handler's own statements.
+	// longer than the longest pause between the handler's own statements:
+	// a handler that idles past it fails its attempt (the record's
+	// failure, see handlerCulprit), every time it does.
 	IdleInTransactionTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
@@ -441,9 +443,15 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	}
 	n := r.Inserted
 	outcome := Duplicate
+	var ran time.Duration // the handler's own run, monotonic
+	var returned time.Time
 	if n == 1 {
-		if err := safeCall(eventContext(ctx, h, id), h, tx, ev); err != nil {
-			return 0, handlerFailure(tx, err)
+		start := time.Now()
+		err := safeCall(eventContext(ctx, h, id), h, tx, ev)
+		returned = time.Now()
+		ran = returned.Sub(start)
+		if err != nil {
+			return 0, p.handlerFailure(ctx, tx, err, ran)
 		}
 		if err := handlerLeftTx(tx); err != nil {
 			return 0, err
@@ -457,6 +465,14 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		return 0, err // never commit a cancelled operation, even if the handler ignored it
 	}
 	if err := p.commit(ctx, tx); err != nil {
+		if n == 1 {
+			// The runtime's time since the handler returned counts up to
+			// the COMMIT's answer: a process frozen anywhere in it (before
+			// the COMMIT was sent included) is not the handler's doing.
+			if ie := p.handlerCulprit(ctx, err, ran, time.Since(returned)); ie != nil {
+				return 0, ie
+			}
+		}
 		return 0, err
 	}
 	return outcome, nil
@@ -623,8 +639,12 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			continue
 		}
 		delete(isNew, ids[i])
+		start := time.Now()
 		if err := safeCall(eventContext(ctx, h, ids[i]), h, tx, events[i]); err != nil {
-			err = handlerFailure(tx, err)
+			// A COMMIT of the batch that fails is not charged to any
+			// record here: the batch falls back to record by record, where
+			// each handler's own run is measured against the COMMIT.
+			err = p.handlerFailure(ctx, tx, err, time.Since(start))
 			if p.isOutage(err) || ctx.Err() != nil {
 				return nil, err
 			}

@@ -75,14 +75,37 @@ func TestUnstorableEventIDDeadLetteredAtOnce(t *testing.T) {
 }
 
 // A COMMIT that fails because the server ended the session (here FATAL
-// 25P03, idle_in_transaction_session_timeout: the handler paused past it) is
-// not the handler's verdict: the record is retried on a fresh connection
-// without using an attempt, and the processed-event row makes the retry
-// safe. With a budget of one attempt it was dead-lettered, a valid record.
+// 25P03, idle_in_transaction_session_timeout) while the process was frozen
+// in the runtime's own code, after the handler returned (commitFreezer
+// holds the COMMIT, as SIGSTOP or a GC pause would), is not the handler's
+// doing: the record is retried on a fresh connection without using an
+// attempt, and the processed-event row makes the retry safe. With a budget
+// of one attempt it was dead-lettered, a valid record. (This test's
+// handler used to sleep in its transaction itself to cause the timeout:
+// that is a slow handler, now charged to the record, see
+// TestHandlerIdlePastTimeoutIsDeadLettered; the freeze is moved to where a
+// frozen process is not the handler's.)
 func TestCommitAfterIdleSessionTimeoutIsNoAttempt(t *testing.T) {
 	t.Parallel()
-	pool, store := consumeDB(t)
-	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+	// The handler's own time does not matter when it was busy: one that ran
+	// a statement longer than the timeout (never idle) and then returned
+	// before the freeze is no more the cause than a quick one.
+	for name, busy := range map[string]string{"quick handler": "", "handler busy past the timeout": "SELECT pg_sleep(0.3)"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			commitAfterFreeze(t, busy)
+		})
+	}
+}
+
+func commitAfterFreeze(t *testing.T, busy string) {
+	freeze := &commitFreezer{hold: time.Second}
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = freeze })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	p, err := idem.NewProcessor(idem.NewStore(pool), idem.ProcessorConfig{
 		Retry:                    idem.RetryPolicy{MaxAttempts: 1, Initial: time.Millisecond, Max: 2 * time.Millisecond},
 		Outage:                   idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 		IdleInTransactionTimeout: 100 * time.Millisecond,
@@ -92,17 +115,22 @@ func TestCommitAfterIdleSessionTimeoutIsNoAttempt(t *testing.T) {
 	}
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-		if err := insertEffect(ctx, tx, e); err != nil {
-			return err
-		}
 		if calls.Add(1) == 1 {
-			time.Sleep(time.Second) // idle in transaction: the server ends the session
+			if busy != "" {
+				if _, err := tx.Exec(ctx, busy); err != nil {
+					return err
+				}
+			}
+			freeze.armed.Store(true) // the process freezes once this handler returns
 		}
-		return nil
+		return insertEffect(ctx, tx, e)
 	})
 	o, err := processWithin(p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"e1","amount":1}`)}, 20*time.Second)
 	if err != nil || o != idem.Applied {
 		t.Fatalf("Process: %v, %v; want applied", o, err)
+	}
+	if freeze.armed.Load() {
+		t.Fatal("the COMMIT was never held")
 	}
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
 		var last string

@@ -7,11 +7,14 @@ import (
 	"runtime/debug"
 	"runtime/pprof"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/runtime/internal/db"
 	"github.com/idemgen/idemgen/runtime/internal/guardlane"
 )
 
@@ -24,6 +27,10 @@ import (
 //   - the infrastructure's: PostgreSQL is unreachable, blackholed, restarting,
 //     or aborts the transaction for concurrency reasons. These use no budget:
 //     the processor waits until the database answers or the context ends.
+//
+// The database ending an attempt because of the handler itself (its
+// statement hits statement_timeout, it idles past
+// idle_in_transaction_session_timeout) is the record's: see handlerCulprit.
 //
 // Mixing them either dead-letters good records during a database blip, or
 // retries a poison record forever.
@@ -56,11 +63,17 @@ type panicError struct {
 
 func (e *panicError) Error() string { return fmt.Sprintf("panic in %s: %v", e.where, e.value) }
 
-// handlerFailure classifies the error a handler returned on tx.
-func handlerFailure(tx pgx.Tx, err error) error {
+// handlerFailure classifies the error a handler that ran ran returned on
+// tx.
+func (p *Processor) handlerFailure(ctx context.Context, tx pgx.Tx, err error, ran time.Duration) error {
 	var pe *panicError
 	if errors.As(err, &pe) {
 		return err
+	}
+	if ie := p.handlerCulprit(ctx, err, ran, 0); ie != nil {
+		// Before the closed connection below: the server ended the
+		// session because the handler idled, not because it went away.
+		return ie
 	}
 	// A dead connection means the database went away under the handler
 	// (pgconn closes the connection on any network failure); whatever the
@@ -72,6 +85,13 @@ func handlerFailure(tx pgx.Tx, err error) error {
 		// Checked before isOutageError: the handler's own next statement
 		// fails with "conn busy", which pgconn calls safe to retry.
 		return fmt.Errorf("%w: %w", errConnLeftBusy, err)
+	}
+	if pgCode(err) == "57014" && ctx.Err() == nil {
+		// Checked before isOutageError, which counts 57014 as the
+		// database's: the connection is open and the runtime did not
+		// cancel, so the server cancelled the handler's own statement, and
+		// will again on the next attempt.
+		return fmt.Errorf("%w: %w", errStatementCancelled, err)
 	}
 	if isOutageError(err) {
 		return &outageError{err: err}
@@ -230,7 +250,8 @@ func isDataError(err error) bool {
 // transaction, 57P01, 53100 disk full, ...) stays an outage, and so does a
 // session the server ended (FATAL: 25P03 the idle-in-transaction timeout,
 // ...) or a connection that died: no verdict on the writes, and the COMMIT
-// may or may not have taken effect.
+// may or may not have taken effect (a 25P03 the handler caused by idling is
+// charged to it afterwards, by handlerCulprit).
 func commitRefusedByWrites(tx pgx.Tx, err error) bool {
 	if sessionEnded(err) || tx.Conn().IsClosed() {
 		return false
@@ -244,7 +265,9 @@ func commitRefusedByWrites(tx pgx.Tx, err error) bool {
 
 // isOutageError reports whether an error returned by a handler is
 // PostgreSQL failing rather than the handler: connection exceptions (08),
-// shutdown and cancellation (57P01-03, 57014, as statement_timeout),
+// shutdown and cancellation (57P01-03, 57014; a 57014 of the handler's own
+// statement with the runtime's context alive is the handler's, and
+// handlerFailure sees it first),
 // insufficient resources (53), serialization failures and deadlocks (40001,
 // 40P01), lock timeouts (55P03), and pgconn's own "nothing was sent, safe to
 // retry" and connect errors. Plain network errors are deliberately not on
@@ -388,4 +411,96 @@ func sanitizeText(s string, max int) string {
 		cut--
 	}
 	return s[:cut] + more
+}
+
+// A session the server ends with 25P03 (idle_in_transaction_session_timeout)
+// or a statement it cancels with 57014 is usually no verdict on a record: a
+// process frozen in the runtime's own code (SIGSTOP, a paused VM, a GC
+// pause) between the handler's return and the COMMIT is ended the same way,
+// and that must never use up a good record's budget. But when the runtime
+// can tell the handler caused it, the failure recurs on every attempt while
+// the database is healthy, and waiting it out as an outage blocked the
+// partition forever under a misleading "storage unavailable". So:
+//
+//   - 25P03 is the handler's when the handler itself ran (monotonic clock,
+//     from its call to its return) at least the session's
+//     idle_in_transaction_session_timeout, and the runtime's own time after
+//     it (until the failed COMMIT answered) was shorter than that: no idle
+//     stretch of the runtime's could have reached the timeout alone.
+//     Otherwise it stays an outage.
+//   - 57014 (query_canceled) from one of the handler's own statements, on
+//     a connection still open and with the runtime's context alive, is the
+//     handler's: statement_timeout, a context of the handler's own with a
+//     cancel-request watcher, or an operator's pg_cancel_backend. The
+//     runtime's cancellation is seen first; the runtime's own statements
+//     (BEGIN, the dedupe insert, COMMIT) keep 57014 an outage.
+//
+// A process frozen while the handler itself runs cannot be told apart from
+// a handler that idles: it costs the record one attempt.
+
+// idleTimeoutError is a session the server ended because the handler held
+// its transaction idle past idle_in_transaction_session_timeout.
+type idleTimeoutError struct {
+	ran, timeout time.Duration
+	err          error // the server's error, never a *storageError
+}
+
+func (e *idleTimeoutError) Error() string {
+	return fmt.Sprintf("the handler held its transaction for %v, longer than idle_in_transaction_session_timeout (%v) lets it sit idle: "+
+		"the server ended the session and rolled the attempt back (keep slow work outside the transaction, or raise the timeout): %v",
+		e.ran.Round(time.Millisecond), e.timeout, e.err)
+}
+func (e *idleTimeoutError) Unwrap() error { return e.err }
+
+// errStatementCancelled is a statement of the handler the server cancelled
+// (57014) while the runtime's context was alive.
+var errStatementCancelled = errors.New("a statement of the handler was cancelled by the server (statement_timeout, the handler's own context, or pg_cancel_backend)")
+
+// idleEnded is the SQLSTATE of a session ended by
+// idle_in_transaction_session_timeout.
+const idleEnded = "25P03"
+
+// idleCulprit returns err as an *idleTimeoutError when it is a session
+// ended by idle_in_transaction_session_timeout that the handler caused: it
+// ran at least timeout, and the runtime's own time after it, after, was
+// shorter. timeout is what idleTimeout returns; 0 (unknown or off) never
+// blames the handler.
+func idleCulprit(err error, ran, after, timeout time.Duration) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != idleEnded || timeout <= 0 || ran < timeout || after >= timeout {
+		return nil
+	}
+	return &idleTimeoutError{ran: ran, timeout: timeout, err: pgErr}
+}
+
+// idleTimeout returns the idle_in_transaction_session_timeout of the
+// runtime's transactions: configured (set with BEGIN), or, when left to the
+// session (configured <= 0), read from a connection of pool, asked only
+// when a session ended with 25P03 after a handler that ran long enough to
+// be the cause. 0 when off or when it cannot be read (the database down:
+// then it stays an outage).
+func idleTimeout(ctx context.Context, pool *pgxpool.Pool, configured, bound time.Duration) time.Duration {
+	if configured > 0 {
+		return configured
+	}
+	ctx, cancel := context.WithTimeout(ctx, bound)
+	defer cancel()
+	ms, err := db.New(pool).SessionIdleInTransactionTimeout(ctx)
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return time.Duration(ms) * time.Millisecond
+}
+
+// handlerCulprit returns err, the failure of a handler that ran ran or of
+// the COMMIT after it (after: the runtime's own time since the handler
+// returned), as the record's failure when the handler caused it (see
+// above), or nil.
+func (p *Processor) handlerCulprit(ctx context.Context, err error, ran, after time.Duration) error {
+	if pgCode(err) != idleEnded || ran < p.cfg.IdleInTransactionTimeout {
+		// The cheap test first: a handler shorter than the configured
+		// timeout is never the cause, and no query is needed to say so.
+		return nil
+	}
+	return idleCulprit(err, ran, after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout))
 }

@@ -866,8 +866,14 @@ func connCheckRefused(err error) bool {
 func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
+	start := time.Now()
 	result, err := call(ctx, tx)
+	returned := time.Now()
+	ran := returned.Sub(start) // the function's own run, monotonic
 	if err != nil {
+		if fe := h.idleByFunction(ctx, err, ran, 0); fe != nil {
+			return nil, fe
+		}
 		return nil, classifyFunctionError(ctx, tx, err)
 	}
 	crash.Point(ctx, "http.after-call")
@@ -900,6 +906,9 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 	if in.key == nil {
 		crash.Point(ctx, "http.before-commit")
 		if err := tx.Commit(ctx); err != nil {
+			if fe := h.idleByFunction(ctx, err, ran, time.Since(returned)); fe != nil {
+				return nil, fe
+			}
 			if (pgCode(err) == "" && !errors.Is(err, pgx.ErrTxCommitRollback)) || sessionEnded(err) {
 				// No answer, or the session ended where it was due: the
 				// COMMIT may have gone through (see the keyed case below).
@@ -925,8 +934,11 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
 			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
+		fe := h.idleByFunction(ctx, err, ran, time.Since(returned))
 		switch c := pgCode(err); {
 		case err == nil:
+		case fe != nil:
+			return nil, fe
 		case c == "" && !errors.Is(err, pgx.ErrTxCommitRollback):
 			// No answer from the server (the connection broke, or ctx
 			// ended and pgx gave up on it) while the COMMIT was on its way
@@ -1003,9 +1015,43 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 			Detail: "the request holds a value the database cannot store: " + pgErr.Message, Err: err}
 	case pgErr.Code == "40001" || pgErr.Code == "40P01" || pgErr.Code == "55P03":
 		return fmt.Errorf("%w: the function's statement conflicted with another transaction: %w", errBusy, err)
+	case pgErr.Code == "57014":
+		// Not the request's cancellation (cancelledByCtx, above): the
+		// server cancelled the function's statement (statement_timeout, an
+		// operator's pg_cancel_backend), as it will again on a retry. The
+		// consumer charges it to the record (errStatementCancelled).
+		return &Error{Status: http.StatusInternalServerError, Title: "Statement cancelled", Err: err,
+			Detail: "a statement of the function was cancelled by the database (statement_timeout, or an operator); nothing was done"}
 	}
 	return err
 }
+
+// idleByFunction returns err, the failure of a function that ran ran (or of
+// the COMMIT after it; after: the runtime's own time since the function
+// returned), as the function's failure when the server ended the session
+// because the function held its transaction idle past
+// idle_in_transaction_session_timeout (the consumer's rule, idleCulprit): a
+// 500 saying so, never a 503 "storage unavailable; retry later" (a retry
+// idles again) nor "Outcome unknown" (25P03 ends an idle transaction, so
+// nothing committed). The transaction rolled back, the key's claim with it:
+// the key is free. nil otherwise: a session ended after a function that
+// returned quickly (the process froze in the runtime) stays the storage
+// failure it was.
+func (h *HTTP) idleByFunction(ctx context.Context, err error, ran, after time.Duration) error {
+	if pgCode(err) != idleEnded || ran < h.idle || ctx.Err() != nil {
+		return nil
+	}
+	ie := idleCulprit(err, ran, after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound))
+	if ie == nil {
+		return nil
+	}
+	return &Error{Status: http.StatusInternalServerError, Title: "Transaction idle too long", Err: fmt.Errorf("function: %w", ie),
+		Detail: "the function kept its database transaction idle longer than the database allows (idle_in_transaction_session_timeout); the database ended it and nothing was done"}
+}
+
+// idleReadBound bounds the read of the session's
+// idle_in_transaction_session_timeout (see idleTimeout) on the HTTP path.
+const idleReadBound = 5 * time.Second
 
 // commitRefused returns err, the failure of the COMMIT of a function that
 // succeeded, as the function's own error when the database answered and

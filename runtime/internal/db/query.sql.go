@@ -1378,6 +1378,22 @@ func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
 	return err
 }
 
+const SessionIdleInTransactionTimeout = `-- name: SessionIdleInTransactionTimeout :one
+SELECT (extract(epoch FROM current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::bigint AS ms
+`
+
+// The session's idle_in_transaction_session_timeout in milliseconds (0:
+// off), read when a session ended with 25P03 and the runtime did not set
+// the timeout itself (it was left to the server's or the role's setting):
+// whether the function that ran before it idled at least that long decides
+// whose failure it was.
+func (q *Queries) SessionIdleInTransactionTimeout(ctx context.Context) (int64, error) {
+	row := q.db.QueryRow(ctx, SessionIdleInTransactionTimeout)
+	var ms int64
+	err := row.Scan(&ms)
+	return ms, err
+}
+
 const SetConnectionCheck = `-- name: SetConnectionCheck :exec
 SELECT set_config('client_connection_check_interval', $1::text, true)
 `

@@ -1,0 +1,117 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// A handler that fails the same way on every attempt through the database
+// — it holds its transaction idle past idle_in_transaction_session_timeout
+// (the server ends the session, 25P03), or its statement hits
+// statement_timeout (57014) — was waited out as a storage outage forever:
+// its partition never moved again, and since a poll ends only when every
+// partition of it is done, no partition of the consumer was fetched again
+// either; the log said "storage unavailable". Through the real consumer on
+// kfake: the record uses its budget and is dead-lettered with what
+// happened, records produced on the other partition while it was being
+// retried are applied, and so is the record after it on its own partition;
+// every partition's offset is committed to its end.
+func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
+	t.Parallel()
+	culprits := map[string]struct {
+		fn   func(ctx context.Context, tx pgx.Tx) error
+		want string // in the dead letter's last_error
+	}{
+		"idle past idle_in_transaction_session_timeout": {
+			fn:   func(context.Context, pgx.Tx) error { time.Sleep(400 * time.Millisecond); return nil },
+			want: "idle_in_transaction_session_timeout (100ms)",
+		},
+		"statement_timeout": {
+			fn: func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `SET LOCAL statement_timeout = '50ms'`); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, `SELECT pg_sleep(1)`)
+				return err
+			},
+			want: "statement_timeout",
+		},
+	}
+	for name, c := range culprits {
+		for _, batch := range []int{1, 10} {
+			t.Run(fmt.Sprintf("%s/batch=%d", name, batch), func(t *testing.T) {
+				t.Parallel()
+				addrs := cluster(t, 2, "orders")
+				pool := db(t)
+				prod, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(prod.Close)
+				on := func(p int32, o order) *kgo.Record {
+					r := orderRecord("orders", o)
+					r.Partition = p
+					return r
+				}
+				var calls atomic.Int64
+				handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+					if err := applyOrder(ctx, tx, ev); err != nil {
+						return err
+					}
+					if ev.EventID == "culprit" {
+						calls.Add(1)
+						return c.fn(ctx, tx)
+					}
+					return nil
+				}
+				r := startConsumer(t, pool, kafka.ConsumerConfig{
+					Brokers: addrs, BatchSize: batch, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
+					Retry:                    idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 5 * time.Millisecond},
+					Outage:                   idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+					IdleInTransactionTimeout: 100 * time.Millisecond,
+				}, nil)
+				produce(t, prod, on(0, order{EventID: "culprit", Amount: 1}))
+				waitBounded(t, 20*time.Second, "the culprit's first attempt", func() bool { return calls.Load() >= 1 })
+				// Produced while the culprit is being retried: fetched only
+				// by a later poll.
+				var others []*kgo.Record
+				for i := range 5 {
+					others = append(others, on(1, order{EventID: fmt.Sprintf("other-%d", i), Amount: 1}))
+				}
+				produce(t, prod, append(others, on(0, order{EventID: "after", Amount: 1}))...)
+				waitBounded(t, 30*time.Second, "the other partition's records and the record after the culprit", func() bool {
+					return count(t, pool, `SELECT count(*) FROM effects WHERE event_id <> 'culprit'`) == 6
+				})
+				waitBounded(t, 10*time.Second, "offsets committed to the end", func() bool {
+					got := committedOffsets(t, addrs, "g", "orders", 2)
+					return got[0] == 2 && got[1] == 5
+				})
+				r.shutdown(t)
+				if n := calls.Load(); n != 3 {
+					t.Fatalf("the culprit ran %d times, want the budget of 3", n)
+				}
+				var attempts int32
+				var last string
+				if err := pool.QueryRow(context.Background(), `SELECT attempts, last_error FROM idem_dead_letters`).Scan(&attempts, &last); err != nil {
+					t.Fatal(err)
+				}
+				if attempts != 3 || !strings.Contains(last, c.want) {
+					t.Fatalf("dead letter: %d attempts, %q; want 3 naming %s", attempts, last, c.want)
+				}
+				if n := count(t, pool, `SELECT count(*) FROM effects WHERE event_id = 'culprit'`); n != 0 {
+					t.Fatalf("the culprit's effect committed %d times, want 0", n)
+				}
+			})
+		}
+	}
+}
