@@ -355,6 +355,7 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 		return p.deadLetter(ctx, h, rec, replayID, 1, err)
 	}
 	attempt, outage := 0, 0
+	var outageSince time.Time // the first failure of the current run of outage tries
 	if failed != nil {
 		attempt = 1
 		if attempt >= p.cfg.Retry.MaxAttempts {
@@ -378,11 +379,17 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 		}
 		var wait time.Duration
 		if p.isOutage(err) {
+			if outage == 0 {
+				outageSince = time.Now()
+			}
 			outage++
 			wait = p.cfg.Outage.wait(outage)
 			p.tel.StorageWait(ctx, h.Context)
+			// Every try is logged with the record it holds back (topic,
+			// partition, offset) and for how long: a partition stuck
+			// behind one record is visible as such, not only as a count.
 			p.log.WarnContext(ctx, "storage unavailable; waiting, no attempt used", logRecord(h, rec,
-				"outage_tries", outage, "wait", wait, "err", err)...)
+				"outage_tries", outage, "outage_for", time.Since(outageSince).Round(time.Millisecond), "wait", wait, "err", err)...)
 		} else {
 			outage = 0
 			attempt++

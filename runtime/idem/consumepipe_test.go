@@ -273,6 +273,14 @@ func TestPipelineBlackholedIsBoundedOutage(t *testing.T) {
 	if !strings.Contains(first, `err="begin: `) {
 		t.Fatalf("first outage is not the pipeline's: %s", first)
 	}
+	// An operator sees which record holds its partition back, and for how
+	// long: every wait names the partition and offset, and the later ones
+	// how long this record has waited (at least the first try's
+	// StorageTimeout).
+	stuck := outageFor(t, logs.String(), "partition=0 offset=1 outage_tries=2 ")
+	if stuck < 300*time.Millisecond {
+		t.Fatalf("the second wait says the record has waited %v, want at least the first try's 300ms", stuck)
+	}
 	px.Restore()
 	select {
 	case r := <-done:
@@ -288,4 +296,25 @@ func TestPipelineBlackholedIsBoundedOutage(t *testing.T) {
 	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE event_id = 'e1'`); n != 1 {
 		t.Fatalf("%d effects for e1, want 1", n)
 	}
+}
+
+// outageFor is the outage_for of the first outage log line holding prefix.
+func outageFor(t *testing.T, logs, prefix string) time.Duration {
+	t.Helper()
+	for _, line := range strings.Split(logs, "\n") {
+		if !strings.Contains(line, "storage unavailable") || !strings.Contains(line, prefix) {
+			continue
+		}
+		_, rest, ok := strings.Cut(line, " outage_for=")
+		if !ok {
+			t.Fatalf("outage log line without outage_for: %s", line)
+		}
+		d, err := time.ParseDuration(strings.Fields(rest)[0])
+		if err != nil {
+			t.Fatalf("outage_for in %s: %v", line, err)
+		}
+		return d
+	}
+	t.Fatalf("no outage log line with %q:\n%s", prefix, logs)
+	return 0
 }
