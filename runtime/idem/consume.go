@@ -374,6 +374,7 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return 0, ctxErr
 		}
+		err = p.handlerCulprit(ctx, err) // the attempt's connection is released now
 		if errors.Is(err, ErrDeadLetterReplayed) {
 			return 0, err
 		}
@@ -458,7 +459,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 		returned = time.Now()
 		ran = returned.Sub(start)
 		if err != nil {
-			return 0, p.handlerFailure(ctx, tx, err, ran)
+			return 0, suspectIdle(handlerFailure(ctx, tx, err), ran, 0)
 		}
 		if err := handlerLeftTx(tx); err != nil {
 			return 0, err
@@ -476,9 +477,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 			// The runtime's time since the handler returned counts up to
 			// the COMMIT's answer: a process frozen anywhere in it (before
 			// the COMMIT was sent included) is not the handler's doing.
-			if ie := p.handlerCulprit(ctx, err, ran, time.Since(returned)); ie != nil {
-				return 0, ie
-			}
+			return 0, suspectIdle(err, ran, time.Since(returned))
 		}
 		return 0, err
 	}
@@ -646,12 +645,12 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			continue
 		}
 		delete(isNew, ids[i])
-		start := time.Now()
 		if err := safeCall(eventContext(ctx, h, ids[i]), h, tx, events[i]); err != nil {
-			// A COMMIT of the batch that fails is not charged to any
-			// record here: the batch falls back to record by record, where
-			// each handler's own run is measured against the COMMIT.
-			err = p.handlerFailure(ctx, tx, err, time.Since(start))
+			// A session ended by idle_in_transaction_session_timeout is an
+			// outage here, at the handler's statement or the COMMIT: the
+			// batch falls back to record by record, where each handler's
+			// own run is measured (idleSuspect).
+			err = handlerFailure(ctx, tx, err)
 			if p.isOutage(err) || ctx.Err() != nil {
 				return nil, err
 			}

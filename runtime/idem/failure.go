@@ -63,17 +63,14 @@ type panicError struct {
 
 func (e *panicError) Error() string { return fmt.Sprintf("panic in %s: %v", e.where, e.value) }
 
-// handlerFailure classifies the error a handler that ran ran returned on
-// tx.
-func (p *Processor) handlerFailure(ctx context.Context, tx pgx.Tx, err error, ran time.Duration) error {
+// handlerFailure classifies the error a handler returned on tx; ctx is the
+// runtime's. A session the server ended (25P03 included) is an outage
+// here, on a closed connection; whether the handler idled it away is
+// decided after (idleSuspect).
+func handlerFailure(ctx context.Context, tx pgx.Tx, err error) error {
 	var pe *panicError
 	if errors.As(err, &pe) {
 		return err
-	}
-	if ie := p.handlerCulprit(ctx, err, ran, 0); ie != nil {
-		// Before the closed connection below: the server ended the
-		// session because the handler idled, not because it went away.
-		return ie
 	}
 	// A dead connection means the database went away under the handler
 	// (pgconn closes the connection on any network failure); whatever the
@@ -492,15 +489,46 @@ func idleTimeout(ctx context.Context, pool *pgxpool.Pool, configured, bound time
 	return time.Duration(ms) * time.Millisecond
 }
 
-// handlerCulprit returns err, the failure of a handler that ran ran or of
-// the COMMIT after it (after: the runtime's own time since the handler
-// returned), as the record's failure when the handler caused it (see
-// above), or nil.
-func (p *Processor) handlerCulprit(ctx context.Context, err error, ran, after time.Duration) error {
-	if pgCode(err) != idleEnded || ran < p.cfg.IdleInTransactionTimeout {
+// idleSuspect is an attempt the server ended with 25P03, at the handler's
+// statement or at the COMMIT, with how long the handler ran and the
+// runtime's own time after it. process decides whose failure it is
+// (handlerCulprit) once applyOnce has returned the attempt's connection to
+// the pool: reading the session's timeout must not wait for the very
+// connection the attempt holds (a pool of one would wait StorageTimeout
+// and call it an outage).
+type idleSuspect struct {
+	err        error // as classified without the rule: an outage
+	ran, after time.Duration
+}
+
+func (e *idleSuspect) Error() string { return e.err.Error() }
+func (e *idleSuspect) Unwrap() error { return e.err }
+
+// suspectIdle returns err as an *idleSuspect when it is a session ended
+// with 25P03 after a handler that ran ran, the runtime's time after it
+// being after.
+func suspectIdle(err error, ran, after time.Duration) error {
+	if pgCode(err) != idleEnded {
+		return err
+	}
+	return &idleSuspect{err: err, ran: ran, after: after}
+}
+
+// handlerCulprit resolves an *idleSuspect in err: the record's failure
+// (*idleTimeoutError) when the handler caused it (see above), otherwise the
+// error without the rule (an outage). Other errors pass through.
+func (p *Processor) handlerCulprit(ctx context.Context, err error) error {
+	var s *idleSuspect
+	if !errors.As(err, &s) {
+		return err
+	}
+	if s.ran < p.cfg.IdleInTransactionTimeout {
 		// The cheap test first: a handler shorter than the configured
 		// timeout is never the cause, and no query is needed to say so.
-		return nil
+		return s.err
 	}
-	return idleCulprit(err, ran, after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout))
+	if ie := idleCulprit(s.err, s.ran, s.after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)); ie != nil {
+		return ie
+	}
+	return s.err
 }

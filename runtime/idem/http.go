@@ -365,6 +365,7 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		call := func(ctx context.Context, tx pgx.Tx) (any, error) { return fn(ctx, tx, req) }
 		out, err := h.serve(r.Context(), ep, in, call)
 		if err != nil {
+			err = h.idleByFunction(r.Context(), err)
 			w.(*statusRecorder).err = err
 			writeProblem(w, h.problemFor(r, ep, err))
 			return
@@ -871,11 +872,20 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 	returned := time.Now()
 	ran := returned.Sub(start) // the function's own run, monotonic
 	if err != nil {
-		if fe := h.idleByFunction(ctx, err, ran, 0); fe != nil {
-			return nil, fe
-		}
-		return nil, classifyFunctionError(ctx, tx, err)
+		return nil, suspectIdle(classifyFunctionError(ctx, tx, err), ran, 0)
 	}
+	out, err := h.commit(ctx, ep, in, tx, fresh, result, header)
+	if err != nil {
+		// The runtime's time since the function returned counts up to the
+		// COMMIT's answer (see idleCulprit).
+		return nil, suspectIdle(err, ran, time.Since(returned))
+	}
+	return out, nil
+}
+
+// commit encodes the function's result, stores it on the claimed key (if
+// any) and commits tx.
+func (h *HTTP) commit(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, result any, header http.Header) (*response, error) {
 	crash.Point(ctx, "http.after-call")
 	body, err := json.Marshal(result)
 	if err != nil {
@@ -906,9 +916,6 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 	if in.key == nil {
 		crash.Point(ctx, "http.before-commit")
 		if err := tx.Commit(ctx); err != nil {
-			if fe := h.idleByFunction(ctx, err, ran, time.Since(returned)); fe != nil {
-				return nil, fe
-			}
 			if (pgCode(err) == "" && !errors.Is(err, pgx.ErrTxCommitRollback)) || sessionEnded(err) {
 				// No answer, or the session ended where it was due: the
 				// COMMIT may have gone through (see the keyed case below).
@@ -934,11 +941,8 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 			Scope: stored.Scope, Principal: stored.Principal, Key: stored.Key, Fingerprint: in.fingerprint,
 			StatusCode: int32(out.status), Headers: headers, Body: body, TtlSeconds: ep.TTL.Seconds(),
 		})
-		fe := h.idleByFunction(ctx, err, ran, time.Since(returned))
 		switch c := pgCode(err); {
 		case err == nil:
-		case fe != nil:
-			return nil, fe
 		case c == "" && !errors.Is(err, pgx.ErrTxCommitRollback):
 			// No answer from the server (the connection broke, or ctx
 			// ended and pgx gave up on it) while the COMMIT was on its way
@@ -1026,24 +1030,28 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	return err
 }
 
-// idleByFunction returns err, the failure of a function that ran ran (or of
-// the COMMIT after it; after: the runtime's own time since the function
-// returned), as the function's failure when the server ended the session
-// because the function held its transaction idle past
-// idle_in_transaction_session_timeout (the consumer's rule, idleCulprit): a
-// 500 saying so, never a 503 "storage unavailable; retry later" (a retry
+// idleByFunction resolves an *idleSuspect in err, the failure of serve,
+// once serve has returned the request's connection to the pool (reading
+// the session's timeout must not wait for it): when the server ended the
+// session because the function held its transaction idle past
+// idle_in_transaction_session_timeout (the consumer's rule, idleCulprit),
+// a 500 saying so, never a 503 "storage unavailable; retry later" (a retry
 // idles again) nor "Outcome unknown" (25P03 ends an idle transaction, so
 // nothing committed). The transaction rolled back, the key's claim with it:
-// the key is free. nil otherwise: a session ended after a function that
-// returned quickly (the process froze in the runtime) stays the storage
-// failure it was.
-func (h *HTTP) idleByFunction(ctx context.Context, err error, ran, after time.Duration) error {
-	if pgCode(err) != idleEnded || ran < h.idle || ctx.Err() != nil {
-		return nil
+// the key is free. Otherwise the error as it was: a session ended after a
+// function that returned quickly (the process froze in the runtime) stays
+// the storage failure it was.
+func (h *HTTP) idleByFunction(ctx context.Context, err error) error {
+	var s *idleSuspect
+	if !errors.As(err, &s) {
+		return err
 	}
-	ie := idleCulprit(err, ran, after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound))
+	if s.ran < h.idle || ctx.Err() != nil {
+		return s.err
+	}
+	ie := idleCulprit(s.err, s.ran, s.after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound))
 	if ie == nil {
-		return nil
+		return s.err
 	}
 	return &Error{Status: http.StatusInternalServerError, Title: "Transaction idle too long", Err: fmt.Errorf("function: %w", ie),
 		Detail: "the function kept its database transaction idle longer than the database allows (idle_in_transaction_session_timeout); the database ended it and nothing was done"}

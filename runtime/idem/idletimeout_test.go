@@ -49,10 +49,14 @@ func TestHandlerIdlePastTimeoutIsDeadLettered(t *testing.T) {
 		configured time.Duration // IdleInTransactionTimeout
 		session    string        // the connections' own setting, when not ""
 		statement  bool          // the handler runs a statement after idling
+		oneConn    bool          // a pool of one connection
 	}{
 		"configured, COMMIT ends":        {configured: 100 * time.Millisecond},
 		"configured, statement ends":     {configured: 100 * time.Millisecond, statement: true},
 		"session's setting, COMMIT ends": {configured: -1, session: "100"},
+		// The session's timeout is read on another connection than the
+		// attempt's, which must be back in the pool by then.
+		"session's setting, pool of one": {configured: -1, session: "100", oneConn: true},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -60,6 +64,9 @@ func TestHandlerIdlePastTimeoutIsDeadLettered(t *testing.T) {
 			pool := pgtest.PoolConfig(t, func(cfg *pgxpool.Config) {
 				if c.session != "" {
 					cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = c.session
+				}
+				if c.oneConn {
+					cfg.MaxConns = 1
 				}
 			})
 			if err := idem.Migrate(context.Background(), pool); err != nil {
@@ -70,6 +77,7 @@ func TestHandlerIdlePastTimeoutIsDeadLettered(t *testing.T) {
 				Retry:                    idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond},
 				Outage:                   idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 				IdleInTransactionTimeout: c.configured,
+				StorageTimeout:           time.Second,
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -204,13 +212,16 @@ func (f *commitFreezer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatch
 // function (now quick) and commits once.
 func TestFunctionIdleOrStatementTimeoutIsFunctionFailure(t *testing.T) {
 	cases := map[string]struct {
-		keyed bool
-		hook  func(ctx context.Context, tx pgx.Tx) error
-		title string
+		keyed   bool
+		session bool // NoIdleInTransactionTimeout, the session's 100ms, a pool of one
+		hook    func(ctx context.Context, tx pgx.Tx) error
+		title   string
 	}{
 		"idle, COMMIT ends, keyed": {keyed: true, title: "Transaction idle too long",
 			hook: func(context.Context, pgx.Tx) error { time.Sleep(400 * time.Millisecond); return nil }},
 		"idle, COMMIT ends, no key": {title: "Transaction idle too long",
+			hook: func(context.Context, pgx.Tx) error { time.Sleep(400 * time.Millisecond); return nil }},
+		"idle, session's setting, pool of one": {keyed: true, session: true, title: "Transaction idle too long",
 			hook: func(context.Context, pgx.Tx) error { time.Sleep(400 * time.Millisecond); return nil }},
 		"idle, statement ends": {keyed: true, title: "Transaction idle too long",
 			hook: func(ctx context.Context, tx pgx.Tx) error {
@@ -229,10 +240,19 @@ func TestFunctionIdleOrStatementTimeoutIsFunctionFailure(t *testing.T) {
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
-			e := newEnv(t)
+			var e *env
+			if c.session {
+				e = newEnvPool(t, pgtest.PoolConfig(t, func(cfg *pgxpool.Config) {
+					cfg.MaxConns = 1
+					cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "100"
+				}))
+				e.cfg.NoIdleInTransactionTimeout = true
+			} else {
+				e = newEnv(t)
+				e.cfg.IdleInTransactionTimeout = 100 * time.Millisecond
+			}
 			logs := &lockedBuffer{}
 			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			e.cfg.IdleInTransactionTimeout = 100 * time.Millisecond
 			var slow atomic.Bool
 			slow.Store(true)
 			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
