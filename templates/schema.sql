@@ -15,10 +15,22 @@
 -- completed one. A key in flight has no row: its marker is the claiming
 -- transaction's advisory lock (see ClaimKey and README "In-flight
 -- requests"). status_code's default is only for rows of older versions.
+--
+-- The key columns of idem_keys and idem_processed_events are COLLATE "C":
+-- every claim, lookup and insert descends their primary keys, and under the
+-- database's collation (anything but "C"/"POSIX", C.UTF-8 and en_US.UTF-8
+-- included) each comparison is a strcoll() on copies of both strings, under
+-- "C" a memcmp(). Only equality is ever asked of these columns (no query
+-- sorts or ranges over them), and equality under a deterministic collation
+-- is byte equality either way: the same rows match. A table created by an
+-- earlier version keeps its columns' collation (CREATE TABLE IF NOT EXISTS
+-- leaves it alone; changing it would rewrite the primary key under an ACCESS
+-- EXCLUSIVE lock, which this file never takes): it works as before. See
+-- README "Storage" for the optional manual change.
 CREATE TABLE IF NOT EXISTS idem_keys (
-    scope        text        NOT NULL,
-    principal    text        NOT NULL,
-    key          text        NOT NULL,
+    scope        text        COLLATE "C" NOT NULL,
+    principal    text        COLLATE "C" NOT NULL,
+    key          text        COLLATE "C" NOT NULL,
     fingerprint  bytea       NOT NULL,
     status_code  integer     NOT NULL DEFAULT 0,
     headers      jsonb       NOT NULL DEFAULT '{}',
@@ -42,8 +54,8 @@ $$;
 -- effect happened" and "the event is known" commit together; the broker
 -- offset is committed only afterwards.
 CREATE TABLE IF NOT EXISTS idem_processed_events (
-    context      text        NOT NULL,
-    event_id     text        NOT NULL,
+    context      text        COLLATE "C" NOT NULL,
+    event_id     text        COLLATE "C" NOT NULL,
     topic        text        NOT NULL,
     kpartition   integer     NOT NULL,
     koffset      bigint      NOT NULL,
