@@ -451,15 +451,15 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	}
 	n := r.Inserted
 	outcome := Duplicate
-	var ran time.Duration // the handler's own run, monotonic
+	var idle time.Duration // the handler's longest idle stretch (idleClock), monotonic
 	var returned time.Time
 	if n == 1 {
-		start := time.Now()
-		err := safeCall(eventContext(ctx, h, id), h, tx, ev)
+		clock := newIdleClock(time.Now())
+		err := safeCall(eventContext(ctx, h, id), h, &clockedTx{Tx: tx, clock: clock}, ev)
 		returned = time.Now()
-		ran = returned.Sub(start)
+		idle = clock.idle(returned)
 		if err != nil {
-			return 0, suspectIdle(handlerFailure(ctx, tx, err), ran, 0)
+			return 0, suspectIdle(handlerFailure(ctx, tx, err), idle, 0)
 		}
 		if err := handlerLeftTx(tx); err != nil {
 			return 0, err
@@ -477,7 +477,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 			// The runtime's time since the handler returned counts up to
 			// the COMMIT's answer: a process frozen anywhere in it (before
 			// the COMMIT was sent included) is not the handler's doing.
-			return 0, suspectIdle(err, ran, time.Since(returned))
+			return 0, suspectIdle(err, idle, time.Since(returned))
 		}
 		return 0, err
 	}

@@ -419,12 +419,16 @@ func sanitizeText(s string, max int) string {
 // the database is healthy, and waiting it out as an outage blocked the
 // partition forever under a misleading "storage unavailable". So:
 //
-//   - 25P03 is the handler's when the handler itself ran (monotonic clock,
-//     from its call to its return) at least the session's
-//     idle_in_transaction_session_timeout, and the runtime's own time after
-//     it (until the failed COMMIT answered) was shorter than that: no idle
-//     stretch of the runtime's could have reached the timeout alone.
-//     Otherwise it stays an outage.
+//   - 25P03 is the handler's when the handler itself held the transaction
+//     idle (monotonic clock, no database call of its own in flight: see
+//     idleClock) for at least the session's
+//     idle_in_transaction_session_timeout in one stretch, and the runtime's
+//     own time after it (until the failed COMMIT answered) was shorter
+//     than that: no idle stretch of the runtime's could have reached the
+//     timeout alone. A handler whose time went into its own statements
+//     (a slow or stalled network leaves the server idle while an answer or
+//     the next statement is on its way) is not charged. Otherwise it stays
+//     an outage.
 //   - 57014 (query_canceled) from one of the handler's own statements, on
 //     a connection still open and with the runtime's context alive, is the
 //     handler's: statement_timeout, a context of the handler's own with a
@@ -432,20 +436,22 @@ func sanitizeText(s string, max int) string {
 //     runtime's cancellation is seen first; the runtime's own statements
 //     (BEGIN, the dedupe insert, COMMIT) keep 57014 an outage.
 //
-// A process frozen while the handler itself runs cannot be told apart from
-// a handler that idles: it costs the record one attempt.
+// A process frozen while the handler itself runs between its statements
+// cannot be told apart from a handler that idles: it costs the record one
+// attempt.
 
 // idleTimeoutError is a session the server ended because the handler held
-// its transaction idle past idle_in_transaction_session_timeout.
+// its transaction idle past idle_in_transaction_session_timeout; idle is
+// the handler's longest idle stretch.
 type idleTimeoutError struct {
-	ran, timeout time.Duration
-	err          error // the server's error, never a *storageError
+	idle, timeout time.Duration
+	err           error // the server's error, never a *storageError
 }
 
 func (e *idleTimeoutError) Error() string {
-	return fmt.Sprintf("the handler held its transaction for %v, longer than idle_in_transaction_session_timeout (%v) lets it sit idle: "+
+	return fmt.Sprintf("the handler held its transaction idle (no statement of its own running) for %v, longer than idle_in_transaction_session_timeout (%v) lets it sit idle: "+
 		"the server ended the session and rolled the attempt back (keep slow work outside the transaction, or raise the timeout): %v",
-		e.ran.Round(time.Millisecond), e.timeout, e.err)
+		e.idle.Round(time.Millisecond), e.timeout, e.err)
 }
 func (e *idleTimeoutError) Unwrap() error { return e.err }
 
@@ -458,23 +464,23 @@ var errStatementCancelled = errors.New("a statement of the handler was cancelled
 const idleEnded = "25P03"
 
 // idleCulprit returns err as an *idleTimeoutError when it is a session
-// ended by idle_in_transaction_session_timeout that the handler caused: it
-// ran at least timeout, and the runtime's own time after it, after, was
-// shorter. timeout is what idleTimeout returns; 0 (unknown or off) never
+// ended by idle_in_transaction_session_timeout that the handler caused: its
+// longest idle stretch, idle (idleClock), was at least timeout, and the
+// runtime's own time after it, after, was shorter. timeout is what idleTimeout returns; 0 (unknown or off) never
 // blames the handler.
-func idleCulprit(err error, ran, after, timeout time.Duration) error {
+func idleCulprit(err error, idle, after, timeout time.Duration) error {
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != idleEnded || timeout <= 0 || ran < timeout || after >= timeout {
+	if !errors.As(err, &pgErr) || pgErr.Code != idleEnded || timeout <= 0 || idle < timeout || after >= timeout {
 		return nil
 	}
-	return &idleTimeoutError{ran: ran, timeout: timeout, err: pgErr}
+	return &idleTimeoutError{idle: idle, timeout: timeout, err: pgErr}
 }
 
 // idleTimeout returns the idle_in_transaction_session_timeout of the
 // runtime's transactions: configured (set with BEGIN), or, when left to the
 // session (configured <= 0), read from a connection of pool, asked only
-// when a session ended with 25P03 after a handler that ran long enough to
-// be the cause. 0 when off or when it cannot be read (the database down:
+// when a session ended with 25P03 after a handler that idled long enough
+// to be the cause. 0 when off or when it cannot be read (the database down:
 // then it stays an outage).
 func idleTimeout(ctx context.Context, pool *pgxpool.Pool, configured, bound time.Duration) time.Duration {
 	if configured > 0 {
@@ -490,28 +496,28 @@ func idleTimeout(ctx context.Context, pool *pgxpool.Pool, configured, bound time
 }
 
 // idleSuspect is an attempt the server ended with 25P03, at the handler's
-// statement or at the COMMIT, with how long the handler ran and the
-// runtime's own time after it. process decides whose failure it is
-// (handlerCulprit) once applyOnce has returned the attempt's connection to
+// statement or at the COMMIT, with the handler's longest idle stretch
+// (see idleClock) and the runtime's own time after it. process decides
+// whose failure it is (handlerCulprit) once applyOnce has returned the attempt's connection to
 // the pool: reading the session's timeout must not wait for the very
 // connection the attempt holds (a pool of one would wait StorageTimeout
 // and call it an outage).
 type idleSuspect struct {
-	err        error // as classified without the rule: an outage
-	ran, after time.Duration
+	err         error // as classified without the rule: an outage
+	idle, after time.Duration
 }
 
 func (e *idleSuspect) Error() string { return e.err.Error() }
 func (e *idleSuspect) Unwrap() error { return e.err }
 
 // suspectIdle returns err as an *idleSuspect when it is a session ended
-// with 25P03 after a handler that ran ran, the runtime's time after it
-// being after.
-func suspectIdle(err error, ran, after time.Duration) error {
+// with 25P03 after a handler whose longest idle stretch was idle, the
+// runtime's time after it being after.
+func suspectIdle(err error, idle, after time.Duration) error {
 	if pgCode(err) != idleEnded {
 		return err
 	}
-	return &idleSuspect{err: err, ran: ran, after: after}
+	return &idleSuspect{err: err, idle: idle, after: after}
 }
 
 // handlerCulprit resolves an *idleSuspect in err: the record's failure
@@ -522,12 +528,12 @@ func (p *Processor) handlerCulprit(ctx context.Context, err error) error {
 	if !errors.As(err, &s) {
 		return err
 	}
-	if s.ran < p.cfg.IdleInTransactionTimeout {
-		// The cheap test first: a handler shorter than the configured
-		// timeout is never the cause, and no query is needed to say so.
+	if s.idle < p.cfg.IdleInTransactionTimeout {
+		// The cheap test first: a handler never idle as long as the
+		// configured timeout is never the cause, and no query is needed to say so.
 		return s.err
 	}
-	if ie := idleCulprit(s.err, s.ran, s.after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)); ie != nil {
+	if ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)); ie != nil {
 		return ie
 	}
 	return s.err

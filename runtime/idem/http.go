@@ -867,18 +867,18 @@ func connCheckRefused(err error) bool {
 func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
-	start := time.Now()
-	result, err := call(ctx, tx)
+	clock := newIdleClock(time.Now())
+	result, err := call(ctx, &clockedTx{Tx: tx, clock: clock})
 	returned := time.Now()
-	ran := returned.Sub(start) // the function's own run, monotonic
+	idle := clock.idle(returned) // the function's longest idle stretch, monotonic
 	if err != nil {
-		return nil, suspectIdle(classifyFunctionError(ctx, tx, err), ran, 0)
+		return nil, suspectIdle(classifyFunctionError(ctx, tx, err), idle, 0)
 	}
 	out, err := h.commit(ctx, ep, in, tx, fresh, result, header)
 	if err != nil {
 		// The runtime's time since the function returned counts up to the
 		// COMMIT's answer (see idleCulprit).
-		return nil, suspectIdle(err, ran, time.Since(returned))
+		return nil, suspectIdle(err, idle, time.Since(returned))
 	}
 	return out, nil
 }
@@ -1039,17 +1039,18 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 // idles again) nor "Outcome unknown" (25P03 ends an idle transaction, so
 // nothing committed). The transaction rolled back, the key's claim with it:
 // the key is free. Otherwise the error as it was: a session ended after a
-// function that returned quickly (the process froze in the runtime) stays
-// the storage failure it was.
+// function never idle that long itself (its time went into its own
+// statements over a slow network, or the process froze in the runtime)
+// stays the storage failure it was.
 func (h *HTTP) idleByFunction(ctx context.Context, err error) error {
 	var s *idleSuspect
 	if !errors.As(err, &s) {
 		return err
 	}
-	if s.ran < h.idle || ctx.Err() != nil {
+	if s.idle < h.idle || ctx.Err() != nil {
 		return s.err
 	}
-	ie := idleCulprit(s.err, s.ran, s.after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound))
+	ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound))
 	if ie == nil {
 		return s.err
 	}

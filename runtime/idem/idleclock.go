@@ -1,0 +1,203 @@
+package idem
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// idleClock measures, over a handler's run, the longest stretch in which
+// none of the handler's own database calls on its transaction was in
+// flight: the time the handler itself held the transaction idle.
+//
+// The server's idle_in_transaction_session_timeout counts the time between
+// a statement's answer leaving the server and the next statement arriving.
+// Whether a 25P03 is the handler's doing cannot be read from the handler's
+// whole run: a handler that is never idle (its time spent in its own
+// statements) also runs long when the network is slow or stalls, and the
+// server then sits idle while an answer, or the next statement, is on its
+// way. Charging that to the record dead-lettered good records during a
+// network blip. Only a stretch of the handler's own, outside any database
+// call, at least the timeout long, is the handler's (idleCulprit).
+//
+// The clock sees the calls made through the pgx.Tx the handler is given
+// (Exec, Query and its Rows, QueryRow, SendBatch and its results,
+// CopyFrom, Prepare, Begin, Commit, Rollback). Statements sent another way
+// (tx.Conn(), tx.LargeObjects()) count as idle time.
+type idleClock struct {
+	mu      sync.Mutex
+	calls   int       // database calls in flight
+	since   time.Time // the start of the current idle stretch, when calls == 0
+	longest time.Duration
+}
+
+// newIdleClock starts a clock whose first idle stretch begins at start.
+func newIdleClock(start time.Time) *idleClock { return &idleClock{since: start} }
+
+func (c *idleClock) enter() {
+	now := time.Now()
+	c.mu.Lock()
+	if c.calls == 0 {
+		c.longest = max(c.longest, now.Sub(c.since))
+	}
+	c.calls++
+	c.mu.Unlock()
+}
+
+func (c *idleClock) exit() {
+	now := time.Now()
+	c.mu.Lock()
+	c.calls--
+	if c.calls == 0 {
+		c.since = now
+	}
+	c.mu.Unlock()
+}
+
+// idle returns the longest idle stretch, the current one counted up to at
+// (the handler's return).
+func (c *idleClock) idle(at time.Time) time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.calls == 0 {
+		return max(c.longest, at.Sub(c.since))
+	}
+	return c.longest
+}
+
+// clockedTx is the pgx.Tx a handler is given: tx, its database calls timed
+// by clock.
+type clockedTx struct {
+	pgx.Tx
+	clock *idleClock
+}
+
+func (t *clockedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	t.clock.enter()
+	defer t.clock.exit()
+	tx, err := t.Tx.Begin(ctx)
+	if err != nil {
+		return tx, err
+	}
+	return &clockedTx{Tx: tx, clock: t.clock}, nil
+}
+
+func (t *clockedTx) Commit(ctx context.Context) error {
+	t.clock.enter()
+	defer t.clock.exit()
+	return t.Tx.Commit(ctx)
+}
+
+func (t *clockedTx) Rollback(ctx context.Context) error {
+	t.clock.enter()
+	defer t.clock.exit()
+	return t.Tx.Rollback(ctx)
+}
+
+func (t *clockedTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	t.clock.enter()
+	defer t.clock.exit()
+	return t.Tx.CopyFrom(ctx, table, columns, src)
+}
+
+func (t *clockedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	t.clock.enter()
+	defer t.clock.exit()
+	return &clockedBatch{BatchResults: t.Tx.SendBatch(ctx, b), clock: t.clock}
+}
+
+func (t *clockedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	t.clock.enter()
+	defer t.clock.exit()
+	return t.Tx.Prepare(ctx, name, sql)
+}
+
+func (t *clockedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	t.clock.enter()
+	defer t.clock.exit()
+	return t.Tx.Exec(ctx, sql, args...)
+}
+
+func (t *clockedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	t.clock.enter()
+	defer t.clock.exit()
+	rows, err := t.Tx.Query(ctx, sql, args...)
+	if err != nil {
+		return rows, err
+	}
+	return &clockedRows{Rows: rows, clock: t.clock}, nil
+}
+
+func (t *clockedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	t.clock.enter()
+	defer t.clock.exit()
+	return &clockedRow{row: t.Tx.QueryRow(ctx, sql, args...), clock: t.clock}
+}
+
+// clockedRows times the reads of a result: Next and Close wait for the
+// server's answer.
+type clockedRows struct {
+	pgx.Rows
+	clock *idleClock
+}
+
+func (r *clockedRows) Next() bool {
+	r.clock.enter()
+	defer r.clock.exit()
+	return r.Rows.Next()
+}
+
+func (r *clockedRows) Close() {
+	r.clock.enter()
+	defer r.clock.exit()
+	r.Rows.Close()
+}
+
+// clockedRow times QueryRow's Scan, which reads the answer.
+type clockedRow struct {
+	row   pgx.Row
+	clock *idleClock
+}
+
+func (r *clockedRow) Scan(dest ...any) error {
+	r.clock.enter()
+	defer r.clock.exit()
+	return r.row.Scan(dest...)
+}
+
+// clockedBatch times the reads of a batch's results.
+type clockedBatch struct {
+	pgx.BatchResults
+	clock *idleClock
+}
+
+func (b *clockedBatch) Exec() (pgconn.CommandTag, error) {
+	b.clock.enter()
+	defer b.clock.exit()
+	return b.BatchResults.Exec()
+}
+
+func (b *clockedBatch) Query() (pgx.Rows, error) {
+	b.clock.enter()
+	defer b.clock.exit()
+	rows, err := b.BatchResults.Query()
+	if err != nil {
+		return rows, err
+	}
+	return &clockedRows{Rows: rows, clock: b.clock}, nil
+}
+
+func (b *clockedBatch) QueryRow() pgx.Row {
+	b.clock.enter()
+	defer b.clock.exit()
+	return &clockedRow{row: b.BatchResults.QueryRow(), clock: b.clock}
+}
+
+func (b *clockedBatch) Close() error {
+	b.clock.enter()
+	defer b.clock.exit()
+	return b.BatchResults.Close()
+}
