@@ -649,9 +649,14 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			// A session ended by idle_in_transaction_session_timeout is an
 			// outage here, at the handler's statement or the COMMIT: the
 			// batch falls back to record by record, where each handler's
-			// own run is measured (idleSuspect).
+			// own run is measured (idleSuspect). So is a statement the
+			// server cancelled (57014): the records' handlers share the
+			// transaction, and a statement_timeout an earlier handler set
+			// (SET LOCAL lasts until the batch's COMMIT) cancels a later
+			// one's statement; record by record, a handler's own
+			// statement_timeout is charged to it.
 			err = handlerFailure(ctx, tx, err)
-			if p.isOutage(err) || ctx.Err() != nil {
+			if p.isOutage(err) || ctx.Err() != nil || errors.Is(err, errStatementCancelled) {
 				return nil, err
 			}
 			return nil, &batchRecordFailure{index: i, err: err}

@@ -141,3 +141,50 @@ func TestSlowNetworkUnderBusyFunctionIs503(t *testing.T) {
 		t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
 	}
 }
+
+// In batch mode the records' handlers share one transaction, and a
+// handler's SET LOCAL lasts until its end: the next records' handlers run
+// under it. A statement_timeout one handler set cancelled the next
+// handler's statement (57014), and the batch charged that attempt to the
+// next record (batchRecordFailure): with a budget of one attempt, a record
+// that applies fine on its own was dead-lettered. A 57014 in a batch is
+// not the record's verdict; the batch falls back record by record, where a
+// handler's own statement_timeout is charged to it.
+func TestBatchStatementTimeoutLeakedByEarlierHandlerIsNoAttempt(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	p := processor(t, store, 1)
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		switch *e.ID {
+		case "sets-timeout":
+			// Meant for this handler's own statements.
+			if _, err := tx.Exec(ctx, `SET LOCAL statement_timeout = '50ms'`); err != nil {
+				return err
+			}
+		case "slow":
+			if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.2)`); err != nil {
+				return err
+			}
+		}
+		return insertEffect(ctx, tx, e)
+	})
+	recs := []*idem.Record{
+		{Topic: "events", Offset: 0, Value: []byte(`{"id":"sets-timeout","amount":1}`)},
+		{Topic: "events", Offset: 1, Value: []byte(`{"id":"slow","amount":1}`)},
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	outs, err := p.ProcessBatch(ctx, &h, recs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if outs[0] != idem.Applied || outs[1] != idem.Applied {
+		t.Fatalf("outcomes %v, want both applied (each applies on its own)", outs)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Fatalf("%d dead letters, want 0", n)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 2 {
+		t.Fatalf("%d effects, want 2", n)
+	}
+}
