@@ -454,10 +454,10 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	var idle time.Duration // the handler's longest idle stretch (idleClock), monotonic
 	var returned time.Time
 	if n == 1 {
-		clock := newIdleClock(time.Now())
-		err := safeCall(eventContext(ctx, h, id), h, &clockedTx{Tx: tx, clock: clock}, ev)
+		htx := clockTx(tx, time.Now())
+		err := safeCall(eventContext(ctx, h, id), h, htx, ev)
 		returned = time.Now()
-		idle = clock.idle(returned)
+		idle = htx.clock.idle(returned)
 		if err != nil {
 			return 0, suspectIdle(handlerFailure(ctx, tx, err), idle, 0)
 		}

@@ -867,10 +867,10 @@ func connCheckRefused(err error) bool {
 func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
-	clock := newIdleClock(time.Now())
-	result, err := call(ctx, &clockedTx{Tx: tx, clock: clock})
+	ftx := clockTx(tx, time.Now())
+	result, err := call(ctx, ftx)
 	returned := time.Now()
-	idle := clock.idle(returned) // the function's longest idle stretch, monotonic
+	idle := ftx.clock.idle(returned) // the function's longest idle stretch, monotonic
 	if err != nil {
 		return nil, suspectIdle(classifyFunctionError(ctx, tx, err), idle, 0)
 	}

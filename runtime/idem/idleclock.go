@@ -34,8 +34,16 @@ type idleClock struct {
 	longest time.Duration
 }
 
-// newIdleClock starts a clock whose first idle stretch begins at start.
-func newIdleClock(start time.Time) *idleClock { return &idleClock{since: start} }
+// clockTx returns tx wrapped, with a new clock whose first idle stretch
+// begins at start, in one allocation.
+func clockTx(tx pgx.Tx, start time.Time) *clockedTx {
+	b := &struct {
+		t clockedTx
+		c idleClock
+	}{c: idleClock{since: start}}
+	b.t = clockedTx{Tx: tx, clock: &b.c}
+	return &b.t
+}
 
 func (c *idleClock) enter() {
 	now := time.Now()
