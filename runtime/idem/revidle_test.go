@@ -112,6 +112,8 @@ func TestSlowNetworkUnderBusyFunctionIs503(t *testing.T) {
 	_, proxied, px := slowNetworkDB(t)
 	e := newEnvPool(t, proxied)
 	e.cfg.IdleInTransactionTimeout = 200 * time.Millisecond
+	logs := &lockedBuffer{}
+	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 	var hooked atomic.Int64
 	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.3)`); err != nil {
@@ -129,6 +131,9 @@ func TestSlowNetworkUnderBusyFunctionIs503(t *testing.T) {
 	wantProblem(t, r, http.StatusServiceUnavailable)
 	if strings.Contains(string(r.body), "idle") {
 		t.Fatalf("%d %s; a slow network answered as the function's idling", r.status, r.body)
+	}
+	if !strings.Contains(logs.String(), "25P03") {
+		t.Fatalf("the first request did not end with 25P03; logs:\n%s", logs)
 	}
 	if e.effects() != 0 || e.keys() != 0 {
 		t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
@@ -153,7 +158,15 @@ func TestSlowNetworkUnderBusyFunctionIs503(t *testing.T) {
 func TestBatchStatementTimeoutLeakedByEarlierHandlerIsNoAttempt(t *testing.T) {
 	t.Parallel()
 	pool, store := consumeDB(t)
-	p := processor(t, store, 1)
+	var logs lockedBuffer
+	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		Retry:  idem.RetryPolicy{MaxAttempts: 1},
+		Outage: idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 		switch *e.ID {
 		case "sets-timeout":
@@ -180,6 +193,9 @@ func TestBatchStatementTimeoutLeakedByEarlierHandlerIsNoAttempt(t *testing.T) {
 	}
 	if outs[0] != idem.Applied || outs[1] != idem.Applied {
 		t.Fatalf("outcomes %v, want both applied (each applies on its own)", outs)
+	}
+	if l := logs.String(); !strings.Contains(l, "batch failed; applying its records one by one") || !strings.Contains(l, "57014") {
+		t.Fatalf("the batch did not fail with the leaked statement_timeout; logs:\n%s", l)
 	}
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
 		t.Fatalf("%d dead letters, want 0", n)
