@@ -244,7 +244,12 @@ ON CONFLICT (context, event_id) DO NOTHING;
 -- The batch form: one statement for a whole batch of one partition. Returns
 -- the ids that were new; the others are duplicates. It makes the
 -- transaction settings as InsertProcessedEvent does: the rows are selected
--- from the settings CTE.
+-- from the settings CTE. The id is returned COLLATE "C" whatever the
+-- column's collation (a table of an earlier version has the database's):
+-- a pooled connection's prepared statement then keeps its result type
+-- across README's manual ALTER of the column to "C", which PostgreSQL
+-- otherwise refuses to run again ("cached plan must not change result
+-- type", 0A000: the batch failed once on every connection).
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
            CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
@@ -252,7 +257,7 @@ WITH settings AS MATERIALIZED (
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
 SELECT @context, unnest(@event_ids::text[]), @topic, @kpartition, unnest(@koffsets::bigint[]) FROM settings
 ON CONFLICT (context, event_id) DO NOTHING
-RETURNING event_id;
+RETURNING CAST(event_id COLLATE "C" AS text) AS event_id;
 
 -- name: InsertDeadLetter :exec
 -- A conflict is the same record (same bytes, same position) delivered again
@@ -560,7 +565,11 @@ DELETE FROM idem_dead_letters WHERE id = @id;
 -- name: AdminGetKey :one
 -- A key as operators see it. FOR SHARE NOWAIT fails at once (55P03) when a
 -- live transaction holds the row: a request taking over an expired key.
-SELECT scope, principal, key, fingerprint, status_code, headers, body, created_at, expires_at,
+-- The key columns are returned COLLATE "C" whatever the table's collation,
+-- as InsertProcessedEvents' id is: the statement prepared on a pooled
+-- connection survives README's manual ALTER of the columns to "C".
+SELECT CAST(scope COLLATE "C" AS text) AS scope, CAST(principal COLLATE "C" AS text) AS principal,
+       CAST(key COLLATE "C" AS text) AS key, fingerprint, status_code, headers, body, created_at, expires_at,
        (expires_at <= now())::bool AS expired
 FROM idem_keys
 WHERE scope = @scope AND principal = @principal AND key = @key

@@ -55,7 +55,8 @@ func (q *Queries) AcquireRelayLease(ctx context.Context, arg AcquireRelayLeasePa
 }
 
 const AdminGetKey = `-- name: AdminGetKey :one
-SELECT scope, principal, key, fingerprint, status_code, headers, body, created_at, expires_at,
+SELECT CAST(scope COLLATE "C" AS text) AS scope, CAST(principal COLLATE "C" AS text) AS principal,
+       CAST(key COLLATE "C" AS text) AS key, fingerprint, status_code, headers, body, created_at, expires_at,
        (expires_at <= now())::bool AS expired
 FROM idem_keys
 WHERE scope = $1 AND principal = $2 AND key = $3
@@ -83,6 +84,9 @@ type AdminGetKeyRow struct {
 
 // A key as operators see it. FOR SHARE NOWAIT fails at once (55P03) when a
 // live transaction holds the row: a request taking over an expired key.
+// The key columns are returned COLLATE "C" whatever the table's collation,
+// as InsertProcessedEvents' id is: the statement prepared on a pooled
+// connection survives README's manual ALTER of the columns to "C".
 func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (AdminGetKeyRow, error) {
 	row := q.db.QueryRow(ctx, AdminGetKey, arg.Scope, arg.Principal, arg.Key)
 	var i AdminGetKeyRow
@@ -738,7 +742,7 @@ WITH settings AS MATERIALIZED (
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
 SELECT $1, unnest($2::text[]), $3, $4, unnest($5::bigint[]) FROM settings
 ON CONFLICT (context, event_id) DO NOTHING
-RETURNING event_id
+RETURNING CAST(event_id COLLATE "C" AS text) AS event_id
 `
 
 type InsertProcessedEventsParams struct {
@@ -753,7 +757,12 @@ type InsertProcessedEventsParams struct {
 // The batch form: one statement for a whole batch of one partition. Returns
 // the ids that were new; the others are duplicates. It makes the
 // transaction settings as InsertProcessedEvent does: the rows are selected
-// from the settings CTE.
+// from the settings CTE. The id is returned COLLATE "C" whatever the
+// column's collation (a table of an earlier version has the database's):
+// a pooled connection's prepared statement then keeps its result type
+// across README's manual ALTER of the column to "C", which PostgreSQL
+// otherwise refuses to run again ("cached plan must not change result
+// type", 0A000: the batch failed once on every connection).
 func (q *Queries) InsertProcessedEvents(ctx context.Context, arg InsertProcessedEventsParams) ([]string, error) {
 	rows, err := q.db.Query(ctx, InsertProcessedEvents,
 		arg.Context,

@@ -1,0 +1,124 @@
+package idem_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/db"
+)
+
+// readmeCollationUpgrade returns the manual upgrade of the key columns'
+// collation as README "Storage" gives it, so the tests run what users are
+// told to run.
+func readmeCollationUpgrade(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(b)
+	i := strings.Index(s, "ALTER TABLE idem_keys ALTER COLUMN scope TYPE text COLLATE \"C\"")
+	if i < 0 {
+		t.Fatal("README has no manual collation upgrade")
+	}
+	j := strings.Index(s[i:], "```")
+	if j < 0 {
+		t.Fatal("README's manual collation upgrade has no end")
+	}
+	return s[i : i+j]
+}
+
+// The README's manual collation upgrade, run while replicas are up: their
+// pooled connections hold the runtime's statements prepared (pgx's default
+// statement cache). A statement that returns a key column had its result
+// described with the column's old collation, and after the ALTER
+// PostgreSQL refuses to run it ("cached plan must not change result type",
+// 0A000) — once on every pooled connection. For the batch consumer that
+// was every connection's next batch failing and falling back to record by
+// record, logged as a failed batch (InsertProcessedEvents returns
+// event_id); for the admin API an operator's key lookup failing
+// (AdminGetKey returns scope, principal, key). The statements now return
+// these columns with a collation of their own, so the ALTER does not change
+// their result. Fails before (the batch falls back; AdminGetKey: 0A000).
+func TestReadmeCollationUpgradeKeepsPreparedStatements(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	old, err := os.ReadFile("testdata/schema-ed6b0ed.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	pgtest.Exec(t, pool, string(old))
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	var logs lockedBuffer
+	p, err := idem.NewProcessor(idem.NewStore(pool), idem.ProcessorConfig{
+		Retry:  idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Outage: idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := handler(insertEffect)
+	batch := func(from int) {
+		t.Helper()
+		recs := make([]*idem.Record, 3)
+		for i := range recs {
+			recs[i] = &idem.Record{Topic: "events", Offset: int64(from + i),
+				Value: fmt.Appendf(nil, `{"id":"e-%d","amount":1}`, from+i)}
+		}
+		bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		got, err := p.ProcessBatch(bctx, &h, recs)
+		if err != nil || fmt.Sprint(got) != "[applied applied applied]" {
+			t.Fatalf("ProcessBatch from offset %d: %v %v", from, got, err)
+		}
+	}
+	adminGet := func() error {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		_, err = db.New(tx).AdminGetKey(ctx, db.AdminGetKeyParams{Scope: "s", Principal: "", Key: "k"})
+		return err
+	}
+	pgtest.Exec(t, pool, `INSERT INTO idem_keys (scope, principal, key, fingerprint, expires_at) VALUES ('s', '', 'k', '', now() + interval '1 hour')`)
+
+	// The pool's one connection prepares both statements.
+	batch(0)
+	if err := adminGet(); err != nil {
+		t.Fatalf("AdminGetKey before the upgrade: %v", err)
+	}
+	if strings.Contains(logs.String(), "batch failed") {
+		t.Fatalf("a batch failed before the upgrade:\n%s", logs.String())
+	}
+
+	pgtest.Exec(t, pool, readmeCollationUpgrade(t))
+	if cols, idx := keyCollations(t, pool); cols != 5 || idx != 5 {
+		t.Fatalf(`after the README's upgrade %d of 5 key columns and %d of 5 index columns are "C"`, cols, idx)
+	}
+
+	batch(3)
+	if strings.Contains(logs.String(), "batch failed") {
+		t.Errorf("the first batch after the README's upgrade failed:\n%s", logs.String())
+	}
+	if err := adminGet(); err != nil {
+		t.Errorf("AdminGetKey after the README's upgrade: %v", err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 6 {
+		t.Errorf("%d effects, want 6", n)
+	}
+}
