@@ -30,11 +30,12 @@ func readmeCollationUpgrade(t *testing.T) string {
 	if i < 0 {
 		t.Fatal("README has no manual collation upgrade")
 	}
+	start := strings.LastIndex(s[:i], "```sql\n")
 	j := strings.Index(s[i:], "```")
-	if j < 0 {
-		t.Fatal("README's manual collation upgrade has no end")
+	if start < 0 || j < 0 {
+		t.Fatal("README's manual collation upgrade is not in a sql block")
 	}
-	return s[i : i+j]
+	return s[start+len("```sql\n") : i+j]
 }
 
 // The README's manual collation upgrade, run while replicas are up: their
@@ -120,5 +121,62 @@ func TestReadmeCollationUpgradeKeepsPreparedStatements(t *testing.T) {
 	}
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 6 {
 		t.Errorf("%d effects, want 6", n)
+	}
+}
+
+// README's manual collation upgrade with a request in flight on idem_keys:
+// the request's transaction holds a lock on the table from its claim to its
+// COMMIT (the handler's whole run), the ALTER's ACCESS EXCLUSIVE lock
+// queues behind it, and every request that arrives meanwhile queues behind
+// the ALTER. The README's statements bound that wait (lock_timeout): the
+// ALTER gives up with 55P03, nothing is changed, and new requests go
+// through. Fails before: the README's statements had no bound, so the ALTER
+// (and every request behind it) waited for the request in flight, here
+// until the test's 10s bound.
+func TestReadmeCollationUpgradeBoundedByRequestInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	old, err := os.ReadFile("testdata/schema-ed6b0ed.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.Pool(t)
+	pgtest.Exec(t, pool, string(old))
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	inFlight, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inFlight.Rollback(ctx)
+	// ClaimKey's read: ACCESS SHARE on idem_keys until the request ends.
+	if _, err := db.New(inFlight).GetKey(ctx, db.GetKeyParams{Scope: "s", Principal: "", Key: "in-flight"}); err == nil || !strings.Contains(err.Error(), "no rows") {
+		t.Fatalf("GetKey in flight: %v", err)
+	}
+
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err = conn.Exec(actx, readmeCollationUpgrade(t))
+	if sqlState(err) != "55P03" {
+		t.Fatalf("README's upgrade with a request in flight: %v, want a lock timeout (55P03)", err)
+	}
+	if cols, idx := keyCollations(t, pool); cols != 0 || idx != 0 {
+		t.Fatalf("the upgrade that gave up changed %d key columns and %d index columns", cols, idx)
+	}
+	if err := inFlight.Commit(ctx); err != nil {
+		t.Fatalf("the request in flight: %v", err)
+	}
+	// Nothing else in flight: it goes through.
+	if _, err := conn.Exec(ctx, readmeCollationUpgrade(t)); err != nil {
+		t.Fatalf("README's upgrade with nothing in flight: %v", err)
+	}
+	if cols, idx := keyCollations(t, pool); cols != 5 || idx != 5 {
+		t.Fatalf(`after the README's upgrade %d of 5 key columns and %d of 5 index columns are "C"`, cols, idx)
 	}
 }
