@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
@@ -178,5 +179,73 @@ func TestReadmeCollationUpgradeBoundedByRequestInFlight(t *testing.T) {
 	}
 	if cols, idx := keyCollations(t, pool); cols != 5 || idx != 5 {
 		t.Fatalf(`after the README's upgrade %d of 5 key columns and %d of 5 index columns are "C"`, cols, idx)
+	}
+}
+
+// README "Storage": a user's query joining idem_processed_events.event_id
+// (COLLATE "C" since the key columns' change) to a text column of their
+// own compares under "C", so the index on their column (the database's
+// collation) cannot serve the join and their table is read whole; the
+// README's form, COLLATE "default" on the key column, reads it through
+// their index. Fails before: README said only that such joins "still
+// compare, under "C"", and gave no form that keeps the user's index.
+func TestUserJoinToKeyColumnUsesUserIndex(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(b)
+	i := strings.Index(s, "JOIN orders o ON o.event_id = p.event_id COLLATE \"default\"")
+	if i < 0 {
+		t.Fatal(`README has no join of a user's column to event_id COLLATE "default"`)
+	}
+	start := strings.LastIndex(s[:i], "```sql\n")
+	end := strings.Index(s[i:], "```")
+	if start < 0 || end < 0 {
+		t.Fatal("README's join is not in a sql block")
+	}
+	readme := s[start+len("```sql\n") : i+end]
+	pgtest.Exec(t, pool, `CREATE TABLE orders (id bigserial PRIMARY KEY, event_id text NOT NULL, amount int NOT NULL);
+		CREATE INDEX orders_event_id ON orders (event_id);
+		INSERT INTO orders (event_id, amount) SELECT 'e' || g, 1 FROM generate_series(1, 20000) g;
+		INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset, processed_at)
+		SELECT 'billing', 'e' || g, 't', 0, g, CASE WHEN g <= 5 THEN now() ELSE now() - interval '2 days' END
+		FROM generate_series(1, 20000) g;
+		ANALYZE orders; ANALYZE idem_processed_events`)
+	// The plans as the planner chooses them (explain's enable_seqscan=off
+	// would turn the plain join's seq scan into a full index scan).
+	plan := func(q string) (seqOrders, userIndex bool) {
+		rows, err := pool.Query(context.Background(), "EXPLAIN "+q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		text := strings.Join(lines, "\n")
+		return strings.Contains(text, "Seq Scan on orders"), strings.Contains(text, "Index Scan using orders_event_id on orders")
+	}
+	plain := strings.Replace(readme, ` COLLATE "default"`, "", 1)
+	if seq, idx := plan(plain); !seq || idx {
+		t.Errorf("the plain join reads orders through its index (seq scan %v, index %v): README's warning is wrong\n%s", seq, idx, plain)
+	}
+	if seq, idx := plan(readme); seq || !idx {
+		t.Errorf("README's join does not read orders through orders_event_id (seq scan %v, index %v)\n%s", seq, idx, readme)
+	}
+	var plainN, readmeN int64
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM (`+strings.TrimSuffix(strings.TrimSpace(plain), ";")+`) x`).Scan(&plainN); err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM (`+strings.TrimSuffix(strings.TrimSpace(readme), ";")+`) x`).Scan(&readmeN); err != nil {
+		t.Fatal(err)
+	}
+	if plainN != 5 || readmeN != 5 {
+		t.Errorf("the joins return %d and %d rows, want 5 and 5", plainN, readmeN)
 	}
 }
