@@ -217,6 +217,16 @@ func (t *term) valid() bool {
 	return t.ctx.Err() == nil && time.Now().Before(t.deadline)
 }
 
+// expired reports whether the term's deadline has passed: the lease may
+// have expired on the server, and another relay may hold it by now. A
+// statement that fails past it was most likely stalled with the process
+// (frozen, paused), not failed by the database; the step-down says so.
+func (t *term) expired() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return !time.Now().Before(t.deadline)
+}
+
 func (t *term) extend(deadline time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -347,12 +357,21 @@ func (r *Relay) renew(t *term, log *slog.Logger) {
 		err := r.inLeaseTx(t.ctx, func(ctx context.Context, q *db.Queries) error {
 			var err error
 			n, err = q.RenewRelayLease(ctx, db.RenewRelayLeaseParams{Name: leaseName, Token: t.token, LeaseSeconds: r.cfg.Lease.Seconds()})
+			if h := relayhook.InRenewal; h != nil {
+				h()
+			}
 			return err
 		})
 		switch {
 		case t.ctx.Err() != nil:
 			return
 		case err != nil:
+			if t.expired() {
+				// Failed past the deadline (a process frozen in the middle of
+				// the renewal fails it on waking): the lease, not the
+				// database, is what this term lost.
+				err = fmt.Errorf("%w: %w", leaseCause(t), err)
+			}
 			t.cancel(fmt.Errorf("renew relay lease: %w", err))
 			return
 		case n == 0:
@@ -690,6 +709,13 @@ func (r *Relay) recordUntilDone(t *term, out *batchOutcome, log *slog.Logger) er
 			return fmt.Errorf("%w (the batch's outcome could not be recorded: %v)", leaseCause(t), err)
 		}
 		if time.Now().After(giveUp) {
+			if t.expired() {
+				// The term's deadline passed too: the process was most likely
+				// frozen with the mark in flight (its context ran out during
+				// the freeze), and the lease may be another relay's. Say so
+				// rather than blame the database for a single failed try.
+				return fmt.Errorf("%w (the batch's outcome could not be recorded: %v)", leaseCause(t), err)
+			}
 			return fmt.Errorf("the batch's outcome could not be recorded for %v; stepping down: %w", r.cfg.Lease, err)
 		}
 		wait := bo.next(50*time.Millisecond, min(r.cfg.MaxBackoff, r.cfg.Lease/3))
@@ -710,6 +736,9 @@ func (r *Relay) record(token string, out *batchOutcome, log *slog.Logger) error 
 	q := db.New(r.store.pool)
 	if len(out.acked) > 0 {
 		ctx, cancel := r.dbCtx()
+		if h := relayhook.BeforeMark; h != nil {
+			h()
+		}
 		n, err := q.MarkOutboxPublished(ctx, db.MarkOutboxPublishedParams{Name: leaseName, Ids: out.acked, ClaimToken: tok})
 		cancel()
 		if err != nil {

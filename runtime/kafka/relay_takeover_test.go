@@ -48,10 +48,14 @@ func (p taggingPublisher) Publish(ctx context.Context, msgs []idem.Message) []er
 }
 
 // relayChild runs one relay on IDEM_DB_URL and IDEM_BROKERS with lease
-// IDEM_LEASE until SIGTERM. It prints LEADING when it becomes the leader;
-// its log goes to stderr. With IDEM_TAG its records carry the header
-// relay-proc: IDEM_TAG; with IDEM_STOP_AFTER_CLAIM=1 it SIGSTOPs itself
-// right after its first non-empty claim.
+// IDEM_LEASE (and PollInterval IDEM_POLL, default 50ms; with
+// IDEM_NO_NOTIFY=1 it polls only, without LISTEN) until SIGTERM. It
+// prints LEADING when it becomes the leader; its log goes to stderr. With
+// IDEM_TAG its records carry the header relay-proc: IDEM_TAG. It SIGSTOPs
+// itself once: with IDEM_STOP_AFTER_CLAIM=1 right after its first non-empty
+// claim, with IDEM_STOP_BEFORE_MARK=1 with its first mark about to be sent
+// (its context running), with IDEM_STOP_IN_RENEWAL=1 inside its first lease
+// renewal's transaction.
 func relayChild() int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -77,24 +81,23 @@ func relayChild() int {
 		publish = taggingPublisher{tag: tag, inner: pub}
 	}
 	if os.Getenv("IDEM_STOP_AFTER_CLAIM") == "1" {
-		var once sync.Once
-		relayhook.AfterClaim = func() {
-			once.Do(func() {
-				// SIGSTOP to oneself takes effect asynchronously (another
-				// thread may take the stop first), so wait for the SIGCONT:
-				// nothing runs past this point before the process was
-				// really stopped and continued.
-				cont := make(chan os.Signal, 1)
-				signal.Notify(cont, syscall.SIGCONT)
-				fmt.Println("CLAIMED; stopping myself")
-				_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
-				<-cont
-				signal.Stop(cont)
-			})
+		relayhook.AfterClaim = stopOnce("CLAIMED; stopping myself")
+	}
+	if os.Getenv("IDEM_STOP_BEFORE_MARK") == "1" {
+		relayhook.BeforeMark = stopOnce("MARKING; stopping myself")
+	}
+	if os.Getenv("IDEM_STOP_IN_RENEWAL") == "1" {
+		relayhook.InRenewal = stopOnce("RENEWING; stopping myself")
+	}
+	poll := 50 * time.Millisecond
+	if s := os.Getenv("IDEM_POLL"); s != "" {
+		if poll, err = time.ParseDuration(s); err != nil {
+			fmt.Fprintln(os.Stderr, "IDEM_POLL:", err)
+			return 2
 		}
 	}
 	r, err := idem.NewRelay(idem.NewStore(pool), publish, idem.RelayConfig{
-		Lease: lease, PollInterval: 50 * time.Millisecond, BatchSize: 50,
+		Lease: lease, PollInterval: poll, BatchSize: 50,
 		Logger:   slog.New(slog.NewTextHandler(os.Stderr, nil)),
 		OnLeader: func() { fmt.Println("LEADING") },
 	})
@@ -102,11 +105,34 @@ func relayChild() int {
 		fmt.Fprintln(os.Stderr, "relay:", err)
 		return 2
 	}
+	if os.Getenv("IDEM_NO_NOTIFY") == "1" {
+		relayhook.DisableNotify(r)
+	}
 	if err := r.Run(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "run:", err)
 		return 1
 	}
 	return 0
+}
+
+// stopOnce returns a hook that, the first time it runs, prints say and
+// SIGSTOPs the process, and returns only after the SIGCONT.
+func stopOnce(say string) func() {
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			// SIGSTOP to oneself takes effect asynchronously (another
+			// thread may take the stop first), so wait for the SIGCONT:
+			// nothing runs past this point before the process was
+			// really stopped and continued.
+			cont := make(chan os.Signal, 1)
+			signal.Notify(cont, syscall.SIGCONT)
+			fmt.Println(say)
+			_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+			<-cont
+			signal.Stop(cont)
+		})
+	}
 }
 
 // relayProc is a relay child process and the lines it printed.
@@ -182,6 +208,13 @@ func (p *relayProc) waitFor(t *testing.T, from int, timeout time.Duration, parts
 		}
 		p.seen.Wait()
 	}
+}
+
+// line returns the i-th line the process printed.
+func (p *relayProc) line(i int) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.log[i]
 }
 
 func (p *relayProc) signal(t *testing.T, sig syscall.Signal) time.Time {
@@ -274,9 +307,9 @@ func TestRelayTakeoverKilledAndFrozen(t *testing.T) {
 	before = published()
 	waitUntil(t, "C to publish", func() bool { return published() >= before+20 })
 
-	bLines := len(strings.Split(b.text(), "\n"))
+	bLines := len(strings.Split(b.text(), "\n")) // B's lines before the SIGCONT (B has printed some)
 	b.signal(t, syscall.SIGCONT)
-	b.waitFor(t, bLines-1, 30*time.Second, "relay stepped down", "relay lease lost")
+	b.waitFor(t, bLines, 30*time.Second, "relay stepped down", "relay lease lost")
 	time.Sleep(lease) // B runs on for a lease: it must stay a standby
 	// Counted from the SIGCONT on: before the freeze B may have led more than
 	// one term (a renewal that timed out on a loaded machine makes it step
@@ -297,5 +330,78 @@ func TestRelayTakeoverKilledAndFrozen(t *testing.T) {
 		lease, killed.Round(time.Millisecond), frozen.Round(time.Millisecond), total, dups)
 	if killed > lease+slack || frozen > lease+slack {
 		t.Fatalf("takeover took %v (killed) and %v (frozen), lease %v", killed, frozen, lease)
+	}
+}
+
+// frozenLeaderWakes runs a leader B that SIGSTOPs itself through one of
+// relayChild's hooks (stop, e.g. "IDEM_STOP_BEFORE_MARK=1", printing
+// stopped), lets a standby C take over and publish the events, wakes B
+// once its spent context has run out, and returns the line with which B
+// stepped down. With events > 0, C publishes 4 more after taking over.
+func frozenLeaderWakes(t *testing.T, stop, stopped string, events int, env ...string) string {
+	t.Helper()
+	const lease = 2 * time.Second // also the mark's DBTimeout (min(5s, Lease))
+	addrs := cluster(t, 2, "events")
+	dbURL := pgtest.Schema(t)
+	pool := poolOn(t, dbURL)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	feed := newFeed(t, pool, 4)
+	feed.add(events)
+	b := startRelayProc(t, "B", dbURL, addrs, lease, append(env, stop)...)
+	stoppedAt, _ := b.waitFor(t, 0, 30*time.Second, stopped)
+	c := startRelayProc(t, "C", dbURL, addrs, lease)
+	c.waitFor(t, 0, lease+30*time.Second, "LEADING")
+	if events > 0 {
+		feed.add(4)
+		events += 4
+	}
+	waitUntil(t, "C to publish everything", func() bool {
+		return statusCounts(t, pool)["PUBLISHED"] == int64(events)
+	})
+	// B's frozen statement had at most the lease (DBTimeout, and lease/3
+	// for a renewal) to run: make sure it ran out while B was stopped.
+	time.Sleep(time.Until(stoppedAt.Add(lease + 100*time.Millisecond)))
+	from := len(strings.Split(b.text(), "\n"))
+	b.signal(t, syscall.SIGCONT)
+	_, i := b.waitFor(t, from, 30*time.Second, "relay stepped down")
+	return b.line(i - 1)
+}
+
+// A leader frozen with a mark in flight (its context already running) past
+// its lease, while a standby takes over, fails that mark on waking: its
+// context ran out during the freeze. The step-down must name the lost lease,
+// not a database that failed to record the batch for a whole lease (a single
+// try, stalled by the freeze, is all that failed). Before the fix it said
+// "the batch's outcome could not be recorded for 2s; stepping down: mark N
+// rows published: timeout: context deadline exceeded", the message with
+// which TestRelayTakeoverKilledAndFrozen failed under load.
+//
+//	go test ./runtime/kafka -run TestLeaderFrozenMidMarkStepsDownForItsLease -v -count=1
+func TestLeaderFrozenMidMarkStepsDownForItsLease(t *testing.T) {
+	t.Parallel()
+	line := frozenLeaderWakes(t, "IDEM_STOP_BEFORE_MARK=1", "MARKING", 20)
+	t.Logf("B on waking: %s", line)
+	if !strings.Contains(line, "relay lease lost") {
+		t.Fatalf("the leader frozen mid-mark stepped down without naming its lost lease: %s", line)
+	}
+}
+
+// A leader frozen in the middle of a lease renewal (inside its transaction,
+// past the lease: the server ends the session, a standby takes over) fails
+// that renewal on waking. The step-down must name the lost lease, not only
+// the renewal's spent context. B polls once a minute, so it hears of the
+// failed renewal from the renewer alone, not from its own lease check: it
+// does not LISTEN either (a NOTIFY reaches every schema of the database, and
+// the tests running alongside enqueue events).
+//
+//	go test ./runtime/kafka -run TestLeaderFrozenMidRenewalStepsDownForItsLease -v -count=1
+func TestLeaderFrozenMidRenewalStepsDownForItsLease(t *testing.T) {
+	t.Parallel()
+	line := frozenLeaderWakes(t, "IDEM_STOP_IN_RENEWAL=1", "RENEWING", 0, "IDEM_POLL=1m", "IDEM_NO_NOTIFY=1")
+	t.Logf("B on waking: %s", line)
+	if !strings.Contains(line, "relay lease lost") {
+		t.Fatalf("the leader frozen mid-renewal stepped down without naming its lost lease: %s", line)
 	}
 }

@@ -13,3 +13,15 @@ var DisableNotify func(relay any)
 // (before Run, in a child process) to freeze the process exactly there: the
 // window the lease check before producing exists for.
 var AfterClaim func()
+
+// BeforeMark, if set, is called by a leading relay right before it marks a
+// published batch, the mark's bounded context already running. Tests set it
+// (before Run, in a child process) to freeze the process as if with the mark
+// in flight: on waking, the mark fails on its spent context.
+var BeforeMark func()
+
+// InRenewal, if set, is called by a leading relay inside each lease renewal's
+// transaction, after the renewing UPDATE and before the commit. Tests set it
+// (before Run, in a child process) to freeze the process in the middle of a
+// renewal: on waking, the renewal fails on its spent context.
+var InRenewal func()
