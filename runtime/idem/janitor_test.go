@@ -192,7 +192,7 @@ func TestJanitorOneAtATime(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 7652`); n != 0 {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 7652 AND objid = 'idem_keys'::regclass::oid AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`); n != 0 {
 		t.Errorf("%d janitor locks still held after the runs", n)
 	}
 }
@@ -271,7 +271,7 @@ func TestJanitorCancelBetweenBatches(t *testing.T) {
 	if got.keys != 6 || got.events != 10 || got.published != 10 || got.deadLetters != 10 {
 		t.Errorf("rows left = %+v, want 6 keys and every other row", got)
 	}
-	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 7652`); n != 0 {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 7652 AND objid = 'idem_keys'::regclass::oid AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`); n != 0 {
 		t.Errorf("janitor lock still held after a cancelled run")
 	}
 }
