@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"runtime/debug"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -19,6 +21,7 @@ import (
 	"github.com/idemgen/idemgen/internal/crash"
 	"github.com/idemgen/idemgen/runtime/internal/db"
 	"github.com/idemgen/idemgen/runtime/internal/dbx"
+	"github.com/idemgen/idemgen/runtime/internal/guardlane"
 	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
 
@@ -349,25 +352,121 @@ func outcomeName(o Outcome, err error) string {
 // and a failure updates it instead of adding a new dead letter. failed, when
 // not nil, is the record's failure in a batch that was rolled back: that run
 // was its first attempt.
+//
+// When ctx carries the Kafka consumer's lane (guardlane) the record runs on
+// the lane's worker in one hand-off (processOnLane); otherwise here, with
+// each call of user code on a goroutine of its own (guarded).
 func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, replayID int64, failed error) (Outcome, error) {
-	ev, id, err := safeDecode(ctx, h, rec)
-	if err != nil {
-		return p.deadLetter(ctx, h, rec, replayID, 1, err)
+	if l := guardlane.From(ctx); l != nil && l.Acquire() {
+		defer l.Release()
+		return p.processOnLane(ctx, l, h, rec, replayID, failed)
 	}
-	attempt, outage := 0, 0
-	var outageSince time.Time // the first failure of the current run of outage tries
-	if failed != nil {
-		attempt = 1
-		if attempt >= p.cfg.Retry.MaxAttempts {
-			return p.deadLetter(ctx, h, rec, replayID, attempt, failed)
+	return p.processFrom(ctx, nil, h, rec, replayID, resume{failed: failed, inBatch: failed != nil})
+}
+
+// resume is where processFrom starts a record: with attempts already used,
+// the last of them failed with failed (nil: a fresh record); or, when
+// decodeErr is set, with its decoding failed.
+type resume struct {
+	attempts  int
+	failed    error
+	inBatch   bool // failed is the record's failure in a rolled-back batch
+	decodeErr error
+}
+
+// processOnLane runs the record on the lane's worker: decoding, every
+// attempt and its user code, and the dead letter, in one hand-off from the
+// partition's goroutine and back, the user code called directly on the
+// worker (inlineGuard). A handler's (or decoder's) runtime.Goexit ends the
+// worker: its transaction rolls back on the way out, as the runtime's
+// deferred calls run, and the attempt is a failure of the record, as with
+// guarded: the record goes on from there on a new worker (l.Run starts one),
+// charged one attempt (a Goexit while decoding is a decoding failure: dead
+// letter), its budget and backoff as for any handler failure. The
+// partition's goroutine only waits, so it survives; labels and
+// SetPanicOnFault are reset as guarded resets them.
+func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *EventHandler, rec *Record, replayID int64, failed error) (Outcome, error) {
+	r := resume{failed: failed, inBatch: failed != nil}
+	w := &inlineGuard{}
+	for {
+		var (
+			outcome  Outcome
+			err      error
+			returned bool
+		)
+		done := make(chan struct{})
+		l.Run(func() {
+			defer close(done)
+			pprof.SetGoroutineLabels(ctx)
+			defer pprof.SetGoroutineLabels(context.Background()) // none left to the next job
+			defer debug.SetPanicOnFault(false)                   // per goroutine too: not left to the next job
+			outcome, err = p.processFrom(ctx, w, h, rec, replayID, r)
+			returned = true
+		})
+		<-done
+		if returned {
+			return outcome, err
 		}
-		p.log.WarnContext(ctx, "handler failed in a batch; retrying", logRecord(h, rec, "attempt", attempt, "err", failed)...)
-		if err := sleep(ctx, p.cfg.Retry.backoff(attempt)); err != nil {
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return 0, ctxErr // commit nothing: the record is delivered again
+		}
+		gerr := &panicError{where: w.where, value: errGoexit}
+		if !w.decoded {
+			r = resume{decodeErr: gerr}
+		} else {
+			r = resume{attempts: w.attempt, failed: gerr}
+		}
+	}
+}
+
+// processFrom is process from r (see resume); w, when not nil, is the
+// record's inline guard (processOnLane).
+func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record, replayID int64, r resume) (Outcome, error) {
+	if r.decodeErr != nil {
+		return p.deadLetter(ctx, h, rec, replayID, 1, r.decodeErr)
+	}
+	var ev any
+	var id string
+	if w != nil && w.decoded {
+		ev, id = w.ev, w.id
+	} else {
+		var err error
+		ev, id, err = safeDecode(ctx, w, h, rec)
+		if err != nil {
+			return p.deadLetter(ctx, h, rec, replayID, 1, err)
+		}
+		if w != nil {
+			w.ev, w.id, w.decoded = ev, id, true
+		}
+	}
+	attempt, outage := r.attempts, 0
+	var outageSince time.Time // the first failure of the current run of outage tries
+	if r.failed != nil {
+		attempt++
+		if attempt >= p.cfg.Retry.MaxAttempts {
+			return p.deadLetter(ctx, h, rec, replayID, attempt, r.failed)
+		}
+		wait := p.cfg.Retry.backoff(attempt)
+		var err error
+		if r.inBatch {
+			p.log.WarnContext(ctx, "handler failed in a batch; retrying", logRecord(h, rec, "attempt", attempt, "err", r.failed)...)
+			err = sleep(ctx, wait)
+		} else { // as the loop below retries a failed attempt
+			p.tel.RecordRetried(ctx, h.Context, rec.Topic)
+			p.log.WarnContext(ctx, "handler failed; retrying", logRecord(h, rec, "attempt", attempt, "err", r.failed)...)
+			p.tel.ConsumerBackoff(ctx, h.Context, wait)
+			err = sleep(ctx, wait)
+			p.tel.ConsumerBackoff(ctx, h.Context, 0)
+		}
+		if err != nil {
 			return 0, err
 		}
 	}
 	for {
-		outcome, err := p.applyOnce(ctx, h, rec, ev, id, replayID)
+		if w != nil {
+			w.attempt = attempt
+		}
+		outcome, err := p.applyOnce(ctx, w, h, rec, ev, id, replayID)
 		if err == nil {
 			return outcome, nil
 		}
@@ -423,7 +522,7 @@ func (p *Processor) storageCtx(ctx context.Context) (context.Context, context.Ca
 // COMMIT: 3 round trips for an applied record, as many as a bare handler's
 // BEGIN │ INSERT │ COMMIT. Errors of the processor's own statements are
 // *storageError; the handler's are returned as they are.
-func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record, ev any, id string, replayID int64) (Outcome, error) {
+func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record, ev any, id string, replayID int64) (Outcome, error) {
 	sctx, cancel := p.storageCtx(ctx)
 	defer cancel()
 	conn, err := p.pool.Acquire(sctx)
@@ -455,7 +554,7 @@ func (p *Processor) applyOnce(ctx context.Context, h *EventHandler, rec *Record,
 	var returned time.Time
 	if n == 1 {
 		htx := clockTx(tx, time.Now())
-		err := safeCall(eventContext(ctx, h, id), h, htx, ev)
+		err := safeCall(eventContext(ctx, h, id), w, h, htx, ev)
 		returned = time.Now()
 		idle = htx.clock.idle(returned)
 		if err != nil {
@@ -611,7 +710,7 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 	ids := make([]string, len(recs))
 	offsets := make([]int64, len(recs))
 	for i, rec := range recs {
-		ev, id, err := safeDecode(ctx, h, rec)
+		ev, id, err := safeDecode(ctx, nil, h, rec)
 		if err != nil {
 			return nil, errBatchNeedsFallback
 		}
@@ -645,7 +744,7 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			continue
 		}
 		delete(isNew, ids[i])
-		if err := safeCall(eventContext(ctx, h, ids[i]), h, tx, events[i]); err != nil {
+		if err := safeCall(eventContext(ctx, h, ids[i]), nil, h, tx, events[i]); err != nil {
 			// A session ended by idle_in_transaction_session_timeout is an
 			// outage here, at the handler's statement or the COMMIT: the
 			// batch falls back to record by record, where each handler's

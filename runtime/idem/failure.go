@@ -297,8 +297,10 @@ func isOutageError(err error) bool {
 // safeDecode decodes rec and reads its event id; a panic in user code (a
 // Decode function, an id accessor dereferencing a nil pointer) is the
 // record's failure, never the consumer's end.
-func safeDecode(ctx context.Context, h *EventHandler, rec *Record) (ev any, id string, err error) {
-	guardErr := guarded(ctx, "decoding the record or reading its event id", func() error {
+// w, when not nil, is the record's inline guard (see processOnLane): the
+// call is made on this goroutine.
+func safeDecode(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record) (ev any, id string, err error) {
+	guardErr := w.guarded(ctx, whereDecode, func() error {
 		var derr error
 		ev, id, derr = h.decode(rec)
 		return derr
@@ -309,9 +311,56 @@ func safeDecode(ctx context.Context, h *EventHandler, rec *Record) (ev any, id s
 	return ev, id, nil
 }
 
-// safeCall runs the handler; a panic is the record's failure.
-func safeCall(ctx context.Context, h *EventHandler, tx pgx.Tx, ev any) error {
-	return guarded(ctx, "handler", func() error { return h.call(ctx, tx, ev) })
+// safeCall runs the handler; a panic is the record's failure. w is as in
+// safeDecode.
+func safeCall(ctx context.Context, w *inlineGuard, h *EventHandler, tx pgx.Tx, ev any) error {
+	return w.guarded(ctx, whereHandler, func() error { return h.call(ctx, tx, ev) })
+}
+
+// The places user code runs, as a panicError names them.
+const (
+	whereDecode  = "decoding the record or reading its event id"
+	whereHandler = "handler"
+)
+
+// inlineGuard is guarded for a goroutine that may end: the lane worker
+// that runs a whole record (processOnLane) calls the record's user code
+// (decode, handler) directly instead of handing each call to another
+// goroutine, which cost the Kafka consumer two goroutine hand-offs per
+// record (a quarter of its own CPU per record, and its latency). A panic is
+// recovered as guarded recovers it. runtime.Goexit cannot be: it ends the
+// worker, the runtime's deferred calls on the way out (the transaction's
+// rollback, the connection's release) run, and the caller, still waiting
+// on its own goroutine, reads here where it happened and goes on from
+// there (processOnLane). It is used by one goroutine at a time.
+type inlineGuard struct {
+	where   string // the user code running or last run
+	decoded bool   // ev and id hold the record's decoded event
+	ev      any
+	id      string
+	attempt int // attempts used before the one running
+}
+
+// guarded runs fn as the package-level guarded does: on this goroutine
+// when w is not nil, on another one otherwise.
+func (w *inlineGuard) guarded(ctx context.Context, where string, fn func() error) (err error) {
+	if w == nil {
+		return guarded(ctx, where, fn)
+	}
+	w.where = where
+	done := false
+	defer func() {
+		if r := recover(); r != nil {
+			err, done = &panicError{where: where, value: r, stack: debug.Stack()}, true
+		}
+		if done { // returned or panicked, not Goexit (the worker is ending)
+			debug.SetPanicOnFault(false) // as guarded: not left to the runtime's code or the next call
+			pprof.SetGoroutineLabels(ctx)
+		}
+	}()
+	err = fn()
+	done = true
+	return err
 }
 
 // errGoexit is user code that ended its goroutine with runtime.Goexit

@@ -1,0 +1,258 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/guardlane"
+)
+
+// gid is the id of the goroutine it runs on ("goroutine N [running]:").
+func gid() string {
+	b := make([]byte, 64)
+	return strings.Fields(string(b[:runtime.Stack(b, false)]))[1]
+}
+
+// batchGoroutines is a pgx tracer that notes the goroutine every batch
+// (the runtime's pipelines: BEGIN with the processed-event insert, the
+// checked COMMIT) is sent from.
+type batchGoroutines struct {
+	mu  sync.Mutex
+	ids map[string]int
+}
+
+func (b *batchGoroutines) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (b *batchGoroutines) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (b *batchGoroutines) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.ids[gid()]++
+	return ctx
+}
+func (b *batchGoroutines) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (b *batchGoroutines) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// With the Kafka consumer's lane, a record is one hand-off: its decoding,
+// the runtime's statements and its handler all run on the lane's worker,
+// not each user call on the worker and the runtime's statements on the
+// caller's goroutine (two hand-offs per record, a quarter of the
+// consumer's CPU per record). Fails on the version before: the pipelines
+// ran on the caller's goroutine.
+func TestLaneRecordIsOneHandOff(t *testing.T) {
+	t.Parallel()
+	tr := &batchGoroutines{ids: map[string]int{}}
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	p := processor(t, idem.NewStore(pool), 3)
+	var decodedOn, handledOn []string
+	h := idem.Consume(idem.EventSpec[event]{
+		Topic: "events", Context: "ctx",
+		EventID: func(e event) string { return *e.ID },
+		Decode: func(b []byte) (e event, err error) {
+			decodedOn = append(decodedOn, gid())
+			return e, json.Unmarshal(b, &e)
+		},
+	}, func(ctx context.Context, tx pgx.Tx, e event) error {
+		handledOn = append(handledOn, gid())
+		return insertEffect(ctx, tx, e)
+	})
+	lane, stop := guardlane.With(context.Background())
+	defer stop()
+	tr.mu.Lock()
+	clear(tr.ids) // Migrate's and the table's statements
+	tr.mu.Unlock()
+	caller := gid()
+	for i, id := range []string{"one-1", "one-2"} {
+		rec := &idem.Record{Topic: "events", Offset: int64(i), Value: []byte(`{"id":"` + id + `","amount":1}`)}
+		if o, err := p.Process(lane, &h, rec); err != nil || o != idem.Applied {
+			t.Fatalf("%s: %v, %v", id, o, err)
+		}
+	}
+	worker := handledOn[0]
+	if worker == caller {
+		t.Fatalf("the handler ran on the caller's goroutine %s", caller)
+	}
+	for _, g := range append(decodedOn, handledOn...) {
+		if g != worker {
+			t.Fatalf("user code ran on goroutines %v (decode) and %v (handler), want all on the worker %s", decodedOn, handledOn, worker)
+		}
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.ids) != 1 || tr.ids[worker] != 4 {
+		t.Fatalf("the runtime's pipelines ran on goroutines %v, want 4 on the worker %s (the caller is %s)", tr.ids, worker, caller)
+	}
+}
+
+// A runtime.Goexit in user code ends the lane's worker in the middle of a
+// record; the record goes on, on a new worker, exactly as guarded made it
+// go on: the Goexit is a failed attempt (its writes rolled back), a decode
+// Goexit is a dead letter at once, the budget ends in a dead letter that
+// says what happened, and the caller's goroutine and the lane carry on.
+func TestLaneRecordGoexit(t *testing.T) {
+	t.Parallel()
+	t.Run("handler once after writing", func(t *testing.T) {
+		t.Parallel()
+		pool, store := consumeDB(t)
+		p := processor(t, store, 3)
+		var calls atomic.Int64
+		h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+			if err := insertEffect(ctx, tx, e); err != nil {
+				return err
+			}
+			if calls.Add(1) == 1 {
+				runtime.Goexit()
+			}
+			return nil
+		})
+		lane, stop := guardlane.With(context.Background())
+		defer stop()
+		rec := &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"gx-1","amount":5}`)}
+		if o := laneProcess(t, p, lane, &h, rec); o != idem.Applied {
+			t.Fatalf("outcome %v, want applied", o)
+		}
+		if calls.Load() != 2 {
+			t.Fatalf("handler ran %d times, want 2", calls.Load())
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE event_id = 'gx-1'`); n != 1 {
+			t.Fatalf("%d effects, want 1 (the Goexit's write rolled back)", n)
+		}
+		// The lane goes on with the next record.
+		next := &idem.Record{Topic: "events", Offset: 2, Value: []byte(`{"id":"gx-2","amount":5}`)}
+		if o := laneProcess(t, p, lane, &h, next); o != idem.Applied {
+			t.Fatalf("next record: %v", o)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 2 {
+			t.Fatalf("%d effects, want 2", n)
+		}
+	})
+	t.Run("handler always", func(t *testing.T) {
+		t.Parallel()
+		pool, store := consumeDB(t)
+		p := processor(t, store, 3)
+		var calls atomic.Int64
+		h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+			calls.Add(1)
+			if err := insertEffect(ctx, tx, e); err != nil {
+				return err
+			}
+			runtime.Goexit()
+			return nil
+		})
+		lane, stop := guardlane.With(context.Background())
+		defer stop()
+		rec := &idem.Record{Topic: "events", Offset: 9, Value: []byte(`{"id":"gx-always","amount":5}`)}
+		if o := laneProcess(t, p, lane, &h, rec); o != idem.DeadLettered {
+			t.Fatalf("outcome %v, want dead-lettered", o)
+		}
+		if calls.Load() != 3 {
+			t.Fatalf("handler ran %d times, want the budget of 3", calls.Load())
+		}
+		dl, err := store.DeadLetter(context.Background(), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dl.Attempts != 3 || dl.LastError != "panic in handler: called runtime.Goexit" {
+			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
+		}
+		if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events)`); n != 0 {
+			t.Fatalf("%d rows of effects and processed events, want 0", n)
+		}
+	})
+	t.Run("decode", func(t *testing.T) {
+		t.Parallel()
+		pool, store := consumeDB(t)
+		p := processor(t, store, 3)
+		var decodes, calls atomic.Int64
+		h := idem.Consume(idem.EventSpec[event]{
+			Topic: "events", Context: "ctx",
+			EventID: func(e event) string { return *e.ID },
+			Decode: func(b []byte) (e event, err error) {
+				decodes.Add(1)
+				runtime.Goexit()
+				return e, nil
+			},
+		}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+		lane, stop := guardlane.With(context.Background())
+		defer stop()
+		rec := &idem.Record{Topic: "events", Offset: 3, Value: []byte(`{"id":"gx-d","amount":5}`)}
+		if o := laneProcess(t, p, lane, &h, rec); o != idem.DeadLettered {
+			t.Fatalf("outcome %v, want dead-lettered", o)
+		}
+		if decodes.Load() != 1 || calls.Load() != 0 {
+			t.Fatalf("decoded %d times, handler ran %d times; want 1 and 0", decodes.Load(), calls.Load())
+		}
+		dl, err := store.DeadLetter(context.Background(), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dl.Attempts != 1 || dl.LastError != "panic in decoding the record or reading its event id: called runtime.Goexit" {
+			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_processed_events`); n != 0 {
+			t.Fatalf("%d processed events", n)
+		}
+	})
+	t.Run("cancelled meanwhile", func(t *testing.T) {
+		// A Goexit after the context ended: nothing is charged or
+		// committed, Process answers the context's error (the record is
+		// delivered again).
+		t.Parallel()
+		pool, store := consumeDB(t)
+		p := processor(t, store, 3)
+		lane, stop := guardlane.With(context.Background())
+		defer stop()
+		ctx, cancel := context.WithCancel(lane)
+		h := handler(func(hctx context.Context, tx pgx.Tx, e event) error {
+			if err := insertEffect(hctx, tx, e); err != nil {
+				return err
+			}
+			cancel()
+			runtime.Goexit()
+			return nil
+		})
+		rec := &idem.Record{Topic: "events", Offset: 4, Value: []byte(`{"id":"gx-c","amount":5}`)}
+		done := make(chan error, 1)
+		go func() { _, err := p.Process(ctx, &h, rec); done <- err }()
+		select {
+		case err := <-done:
+			if err != context.Canceled {
+				t.Fatalf("Process: %v, want context.Canceled", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("Process did not return")
+		}
+		if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`); n != 0 {
+			t.Fatalf("%d rows written, want 0", n)
+		}
+	})
+}
+
+// laneProcess is processBounded with the lane's context, as the Kafka
+// consumer's partition loop calls Process.
+func laneProcess(t *testing.T, p *idem.Processor, lane context.Context, h *idem.EventHandler, rec *idem.Record) idem.Outcome {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(lane, 20*time.Second)
+	defer cancel()
+	o, err := p.Process(ctx, h, rec)
+	if err != nil {
+		t.Fatalf("Process(offset %d): %v", rec.Offset, err)
+	}
+	return o
+}
