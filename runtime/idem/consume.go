@@ -390,21 +390,10 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 	w := &inlineGuard{}
 	for {
 		var (
-			outcome  Outcome
-			err      error
-			returned bool
+			outcome Outcome
+			err     error
 		)
-		done := make(chan struct{})
-		l.Run(func() {
-			defer close(done)
-			pprof.SetGoroutineLabels(ctx)
-			defer pprof.SetGoroutineLabels(context.Background()) // none left to the next job
-			defer debug.SetPanicOnFault(false)                   // per goroutine too: not left to the next job
-			outcome, err = p.processFrom(ctx, w, h, rec, replayID, r)
-			returned = true
-		})
-		<-done
-		if returned {
+		if onLane(ctx, l, func() { outcome, err = p.processFrom(ctx, w, h, rec, replayID, r) }) {
 			return outcome, err
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil {
@@ -417,6 +406,25 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 			r = resume{attempts: w.attempt, failed: gerr}
 		}
 	}
+}
+
+// onLane runs fn on l's worker under ctx's profiler labels, and reports
+// whether it returned: false when user code it called inline ended the
+// worker with runtime.Goexit (the worker's deferred calls ran; l.Run starts
+// a new one for the next call). Neither labels nor SetPanicOnFault are left
+// to the next call.
+func onLane(ctx context.Context, l *guardlane.Lane, fn func()) (returned bool) {
+	done := make(chan struct{})
+	l.Run(func() {
+		defer close(done)
+		pprof.SetGoroutineLabels(ctx)
+		defer pprof.SetGoroutineLabels(context.Background())
+		defer debug.SetPanicOnFault(false)
+		fn()
+		returned = true
+	})
+	<-done
+	return returned
 }
 
 // processFrom is process from r (see resume); w, when not nil, is the
@@ -652,7 +660,7 @@ func (p *Processor) ProcessBatch(ctx context.Context, h *EventHandler, recs []*R
 		return []Outcome{o}, nil
 	}
 	bctx, done := p.tel.BatchStart(ctx, h.Context, recs[0].Topic, recs[0].Partition, recs[0].Offset, len(recs))
-	outcomes, err := p.applyBatch(bctx, h, recs)
+	outcomes, err := p.applyBatchGuarded(bctx, h, recs)
 	if err == nil {
 		done(outcomeNames(outcomes), nil)
 		return outcomes, nil
@@ -705,12 +713,43 @@ func (e *batchRecordFailure) Error() string {
 }
 func (e *batchRecordFailure) Unwrap() error { return e.err }
 
-func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Record) ([]Outcome, error) {
+// applyBatchGuarded is applyBatch, on ctx's lane (the Kafka consumer's) in
+// one hand-off when it carries one, the records' decoding and handlers
+// called inline (see processOnLane): a hand-off per handler call cost about
+// as much CPU as the rest of a batched record. A runtime.Goexit in user code
+// fails the batch as guarded made it fail: while decoding, as an
+// undecodable record; in a handler, as that record's failure (one attempt
+// used), its writes rolled back with the batch's transaction.
+func (p *Processor) applyBatchGuarded(ctx context.Context, h *EventHandler, recs []*Record) ([]Outcome, error) {
+	l := guardlane.From(ctx)
+	if l == nil || !l.Acquire() {
+		return p.applyBatch(ctx, nil, h, recs)
+	}
+	defer l.Release()
+	w := &inlineGuard{}
+	var (
+		outcomes []Outcome
+		err      error
+	)
+	if onLane(ctx, l, func() { outcomes, err = p.applyBatch(ctx, w, h, recs) }) {
+		return outcomes, err
+	}
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return nil, ctxErr
+	}
+	if w.where == whereDecode {
+		return nil, errBatchNeedsFallback
+	}
+	return nil, &batchRecordFailure{index: w.index, err: &panicError{where: w.where, value: errGoexit}}
+}
+
+// applyBatch applies recs in one transaction; w is as in safeDecode.
+func (p *Processor) applyBatch(ctx context.Context, w *inlineGuard, h *EventHandler, recs []*Record) ([]Outcome, error) {
 	events := make([]any, len(recs))
 	ids := make([]string, len(recs))
 	offsets := make([]int64, len(recs))
 	for i, rec := range recs {
-		ev, id, err := safeDecode(ctx, nil, h, rec)
+		ev, id, err := safeDecode(ctx, w, h, rec)
 		if err != nil {
 			return nil, errBatchNeedsFallback
 		}
@@ -744,7 +783,10 @@ func (p *Processor) applyBatch(ctx context.Context, h *EventHandler, recs []*Rec
 			continue
 		}
 		delete(isNew, ids[i])
-		if err := safeCall(eventContext(ctx, h, ids[i]), nil, h, tx, events[i]); err != nil {
+		if w != nil {
+			w.index = i
+		}
+		if err := safeCall(eventContext(ctx, h, ids[i]), w, h, tx, events[i]); err != nil {
 			// A session ended by idle_in_transaction_session_timeout is an
 			// outage here, at the handler's statement or the COMMIT: the
 			// batch falls back to record by record, where each handler's

@@ -339,6 +339,7 @@ type inlineGuard struct {
 	ev      any
 	id      string
 	attempt int // attempts used before the one running
+	index   int // in a batch: the record whose handler runs or ran last
 }
 
 // guarded runs fn as the package-level guarded does: on this goroutine

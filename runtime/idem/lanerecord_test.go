@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -255,4 +256,160 @@ func laneProcess(t *testing.T, p *idem.Processor, lane context.Context, h *idem.
 		t.Fatalf("Process(offset %d): %v", rec.Offset, err)
 	}
 	return o
+}
+
+// A batch on the lane is one hand-off too: every record's decoding and
+// handler, and the batch's pipelines, on the lane's worker. Fails on the
+// version before: the pipelines ran on the caller's goroutine, and each
+// user call was handed to the worker on its own.
+func TestLaneBatchIsOneHandOff(t *testing.T) {
+	t.Parallel()
+	tr := &batchGoroutines{ids: map[string]int{}}
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	p := processor(t, idem.NewStore(pool), 3)
+	var on []string
+	h := idem.Consume(idem.EventSpec[event]{
+		Topic: "events", Context: "ctx",
+		EventID: func(e event) string { return *e.ID },
+		Decode: func(b []byte) (e event, err error) {
+			on = append(on, gid())
+			return e, json.Unmarshal(b, &e)
+		},
+	}, func(ctx context.Context, tx pgx.Tx, e event) error {
+		on = append(on, gid())
+		return insertEffect(ctx, tx, e)
+	})
+	lane, stop := guardlane.With(context.Background())
+	defer stop()
+	tr.mu.Lock()
+	clear(tr.ids)
+	tr.mu.Unlock()
+	ctx, cancel := context.WithTimeout(lane, 20*time.Second)
+	defer cancel()
+	outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("ob", 5))
+	if err != nil || len(outcomes) != 5 {
+		t.Fatalf("%v, %v", outcomes, err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 5 {
+		t.Fatalf("%d effects, want 5", n)
+	}
+	worker := on[0]
+	if worker == gid() {
+		t.Fatal("user code ran on the caller's goroutine")
+	}
+	for _, g := range on {
+		if g != worker {
+			t.Fatalf("user code ran on goroutines %v, want all on one worker", on)
+		}
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.ids) != 1 || tr.ids[worker] != 2 {
+		t.Fatalf("the batch's pipelines ran on goroutines %v, want 2 on the worker %s", tr.ids, worker)
+	}
+}
+
+// batchRecords is n records of one partition with ids prefix-0..n-1.
+func batchRecords(prefix string, n int) []*idem.Record {
+	recs := make([]*idem.Record, n)
+	for i := range recs {
+		recs[i] = &idem.Record{Topic: "events", Offset: int64(i), Value: []byte(`{"id":"` + prefix + `-` + string(rune('0'+i)) + `","amount":1}`)}
+	}
+	return recs
+}
+
+// A Goexit in a batch on the lane fails the batch as a panic would: it
+// falls back to record by record, the record whose handler ended the
+// worker charged the attempt it used in the batch, an undecodable one dead
+// at once, every other record applied once.
+func TestLaneBatchGoexit(t *testing.T) {
+	t.Parallel()
+	t.Run("handler", func(t *testing.T) {
+		t.Parallel()
+		pool, store := consumeDB(t)
+		p := processor(t, store, 2)
+		var calls atomic.Int64
+		h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+			if err := insertEffect(ctx, tx, e); err != nil {
+				return err
+			}
+			if *e.ID == "bg-2" {
+				calls.Add(1)
+				runtime.Goexit()
+			}
+			return nil
+		})
+		lane, stop := guardlane.With(context.Background())
+		defer stop()
+		ctx, cancel := context.WithTimeout(lane, 20*time.Second)
+		defer cancel()
+		outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("bg", 5))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := []idem.Outcome{idem.Applied, idem.Applied, idem.DeadLettered, idem.Applied, idem.Applied}
+		if !slices.Equal(outcomes, want) {
+			t.Fatalf("outcomes %v, want %v", outcomes, want)
+		}
+		if calls.Load() != 2 {
+			t.Fatalf("bg-2's handler ran %d times, want 2 (the batch's and one more of a budget of 2)", calls.Load())
+		}
+		dl, err := store.DeadLetter(context.Background(), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dl.Attempts != 2 || dl.LastError != "panic in handler: called runtime.Goexit" {
+			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE event_id <> 'bg-2'`); n != 4 {
+			t.Fatalf("%d effects of the other records, want 4", n)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE event_id = 'bg-2'`); n != 0 {
+			t.Fatalf("%d effects of bg-2, want 0", n)
+		}
+	})
+	t.Run("decode", func(t *testing.T) {
+		t.Parallel()
+		pool, store := consumeDB(t)
+		p := processor(t, store, 3)
+		h := idem.Consume(idem.EventSpec[event]{
+			Topic: "events", Context: "ctx",
+			EventID: func(e event) string { return *e.ID },
+			Decode: func(b []byte) (e event, err error) {
+				if err := json.Unmarshal(b, &e); err != nil {
+					return e, err
+				}
+				if *e.ID == "bd-3" {
+					runtime.Goexit()
+				}
+				return e, nil
+			},
+		}, insertEffect)
+		lane, stop := guardlane.With(context.Background())
+		defer stop()
+		ctx, cancel := context.WithTimeout(lane, 20*time.Second)
+		defer cancel()
+		outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("bd", 5))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := []idem.Outcome{idem.Applied, idem.Applied, idem.Applied, idem.DeadLettered, idem.Applied}
+		if !slices.Equal(outcomes, want) {
+			t.Fatalf("outcomes %v, want %v", outcomes, want)
+		}
+		dl, err := store.DeadLetter(context.Background(), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dl.Attempts != 1 || dl.LastError != "panic in decoding the record or reading its event id: called runtime.Goexit" {
+			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 4 {
+			t.Fatalf("%d effects, want 4", n)
+		}
+	})
 }
