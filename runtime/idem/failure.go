@@ -374,9 +374,12 @@ var errGoexit = errors.New("called runtime.Goexit")
 // goroutine silently, so neither the record nor the rest of the poll was
 // done or rewound, and the next marks committed past them (records lost).
 //
-// When ctx carries a guardlane.Lane (the Kafka consumer's per-partition
-// loop makes one per poll), fn runs on the lane's worker, reused from one
-// call to the next: a goroutine started per call began with a small stack
+// The Kafka consumer's records do not come here one call at a time: when
+// ctx carries a guardlane.Lane (the per-partition loop makes one per poll),
+// the whole record or batch runs on the lane's worker and its user code is
+// called there directly (inlineGuard, processOnLane, applyBatchGuarded).
+// A call that does come here with a lane (a handler's own nested call, say)
+// runs on the lane's worker, reused from one call to the next: a goroutine started per call began with a small stack
 // and grew it (a copy) in every handler that runs pgx, and its start and end
 // cost scheduler work, about 10% of the consumer's own CPU per record.
 // Otherwise (a direct Processor call, or a lane another call holds) fn runs

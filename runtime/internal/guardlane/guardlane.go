@@ -1,7 +1,8 @@
 // Package guardlane lends one worker goroutine to a run of calls made one
 // after another by the same goroutine: the Kafka consumer's per-partition
-// loop, whose records' decode and handler calls idem runs each on a
-// goroutine other than the loop's (to survive runtime.Goexit). Without a
+// loop, whose records (or batches) idem runs each on a goroutine other than
+// the loop's, in one hand-off, the user code called directly on it (to
+// survive runtime.Goexit: the worker ends, the loop does not). Without a
 // lane each call starts a goroutine, which begins with a small stack and
 // grows it again in every handler that runs pgx.
 //
