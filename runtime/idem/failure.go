@@ -378,8 +378,9 @@ var errGoexit = errors.New("called runtime.Goexit")
 // ctx carries a guardlane.Lane (the per-partition loop makes one per poll),
 // the whole record or batch runs on the lane's worker and its user code is
 // called there directly (inlineGuard, processOnLane, applyBatchGuarded).
-// A call that does come here with a lane (a handler's own nested call, say)
-// runs on the lane's worker, reused from one call to the next: a goroutine started per call began with a small stack
+// A call that does come here with a free lane runs on the lane's worker,
+// reused from one call to the next (one made from inside a record's user
+// code finds the lane held and runs on a goroutine of its own): a goroutine started per call began with a small stack
 // and grew it (a copy) in every handler that runs pgx, and its start and end
 // cost scheduler work, about 10% of the consumer's own CPU per record.
 // Otherwise (a direct Processor call, or a lane another call holds) fn runs
