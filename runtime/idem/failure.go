@@ -379,12 +379,11 @@ var errGoexit = errors.New("called runtime.Goexit")
 // the whole record or batch runs on the lane's worker and its user code is
 // called there directly (inlineGuard, processOnLane, applyBatchGuarded).
 // A call that does come here with a free lane runs on the lane's worker,
-// reused from one call to the next (one made from inside a record's user
-// code finds the lane held and runs on a goroutine of its own): a goroutine started per call began with a small stack
-// and grew it (a copy) in every handler that runs pgx, and its start and end
-// cost scheduler work, about 10% of the consumer's own CPU per record.
-// Otherwise (a direct Processor call, or a lane another call holds) fn runs
-// on a goroutine of its own, as before. A lane is never shared across
+// reused from one call to the next: a goroutine started per call began with
+// a small stack and grew it (a copy) in every handler that runs pgx, and
+// its start and end cost scheduler work. Otherwise (a direct Processor
+// call, or a lane held by another call, such as a call made from inside a
+// record's user code) fn runs on a goroutine of its own. A lane is never shared across
 // loops, and its worker ends with the loop: nothing outlives the caller, and
 // a consumer run inside a testing/synctest bubble keeps its goroutines and
 // channels inside it (a process-wide pool of workers broke both). A worker
