@@ -399,7 +399,10 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return 0, ctxErr // commit nothing: the record is delivered again
 		}
-		gerr := &panicError{where: w.where, value: errGoexit}
+		var gerr error = &panicError{where: w.where, value: errGoexit}
+		if w.ended != nil {
+			gerr = w.ended // what guarded would have returned: the panic recovered during the Goexit
+		}
 		if !w.decoded {
 			r = resume{decodeErr: gerr}
 		} else {

@@ -340,27 +340,43 @@ type inlineGuard struct {
 	id      string
 	attempt int // attempts used before the one running
 	index   int // in a batch: the record whose handler runs or ran last
+	// ended is the failure of the user code that ended the worker (set as
+	// the worker unwinds, cleared when the call returns): runtime.Goexit,
+	// or a panic a deferred call raised during the Goexit, which the guard
+	// recovers but which does not stop the Goexit.
+	ended error
 }
 
 // guarded runs fn as the package-level guarded does: on this goroutine
 // when w is not nil, on another one otherwise.
-func (w *inlineGuard) guarded(ctx context.Context, where string, fn func() error) (err error) {
+func (w *inlineGuard) guarded(ctx context.Context, where string, fn func() error) error {
 	if w == nil {
 		return guarded(ctx, where, fn)
 	}
+	err := w.call(ctx, where, fn)
+	w.ended = nil // returned: the worker goes on
+	return err
+}
+
+func (w *inlineGuard) call(ctx context.Context, where string, fn func() error) (err error) {
 	w.where = where
-	done := false
+	returned := false
 	defer func() {
 		if r := recover(); r != nil {
-			err, done = &panicError{where: where, value: r, stack: debug.Stack()}, true
+			err = &panicError{where: where, value: r, stack: debug.Stack()}
+		} else if !returned {
+			// runtime.Goexit (the worker is ending), or a panic(nil) that
+			// recover reports as nil (GODEBUG panicnil=1): guarded takes
+			// both for a Goexit, and so does this. Taken for a return, the
+			// handler's half-done writes were committed.
+			err = &panicError{where: where, value: errGoexit}
 		}
-		if done { // returned or panicked, not Goexit (the worker is ending)
-			debug.SetPanicOnFault(false) // as guarded: not left to the runtime's code or the next call
-			pprof.SetGoroutineLabels(ctx)
-		}
+		w.ended = err
+		debug.SetPanicOnFault(false) // as guarded: not left to the runtime's code or the next call
+		pprof.SetGoroutineLabels(ctx)
 	}()
 	err = fn()
-	done = true
+	returned = true
 	return err
 }
 
