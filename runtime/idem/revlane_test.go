@@ -266,7 +266,7 @@ func TestLaneMatchesOffLane(t *testing.T) {
 		{
 			name: "batch: Goexit in the batch, then budget of 2", attempts: 2, batch: true,
 			values: []string{rec("a"), rec("b")},
-			mk: insertThen(func(int64) { runtime.Goexit() }),
+			mk:     insertThen(func(int64) { runtime.Goexit() }),
 		},
 	}
 	for _, c := range cases {
