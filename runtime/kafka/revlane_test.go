@@ -1,0 +1,188 @@
+package kafka_test
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// goexitFirst is a handler that, on the first call for each event id in
+// goexitIDs, writes its effect and then ends its goroutine with
+// runtime.Goexit; every other call applies the order. goexited is closed
+// after the first Goexit.
+type goexitFirst struct {
+	ids      map[string]bool
+	mu       sync.Mutex
+	seen     map[string]int
+	once     sync.Once
+	goexited chan struct{}
+}
+
+func newGoexitFirst(ids ...string) *goexitFirst {
+	g := &goexitFirst{ids: map[string]bool{}, seen: map[string]int{}, goexited: make(chan struct{})}
+	for _, id := range ids {
+		g.ids[id] = true
+	}
+	return g
+}
+
+func (g *goexitFirst) handle(ctx context.Context, tx pgx.Tx, ev order) error {
+	g.mu.Lock()
+	g.seen[ev.EventID]++
+	first := g.seen[ev.EventID] == 1
+	g.mu.Unlock()
+	if err := applyOrder(ctx, tx, ev); err != nil {
+		return err
+	}
+	if first && g.ids[ev.EventID] {
+		g.once.Do(func() { close(g.goexited) })
+		runtime.Goexit()
+	}
+	return nil
+}
+
+// The consumer shut down while a record that Goexited waits out its retry
+// backoff (an hour): Run returns at once, the record's effect is rolled
+// back and its offset is not committed; the next consumer of the group
+// applies it, and every record ends applied exactly once. No lane worker
+// is left behind.
+func TestLaneShutdownDuringResumedBackoff(t *testing.T) {
+	addrs := cluster(t, 1, "orders")
+	pool := db(t)
+	produceOrders(t, addrs, 1, 6, "sdb")
+	g := newGoexitFirst("sdb-2")
+	retry := idem.RetryPolicy{MaxAttempts: 3, Initial: time.Hour, Max: time.Hour}
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "sdb",
+		Handlers: []idem.EventHandler{orderConsumer("orders", g.handle)}, Retry: retry}, nil)
+	select {
+	case <-g.goexited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler never ran on sdb-2")
+	}
+	time.Sleep(100 * time.Millisecond) // into the hour's backoff
+	start := time.Now()
+	r.shutdown(t)
+	if d := time.Since(start); d > 15*time.Second {
+		t.Fatalf("shutdown took %v", d)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects WHERE event_id = 'sdb-2'`); n != 0 {
+		t.Fatalf("%d effects of the record that Goexited, want 0", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_processed_events WHERE event_id = 'sdb-2'`); n != 0 {
+		t.Fatalf("the record that Goexited has a processed-event row")
+	}
+	if off := committedOffsets(t, addrs, "sdb", "orders", 1)[0]; off > 2 {
+		t.Fatalf("committed offset %d, past the record not done (offset 2)", off)
+	}
+	r2 := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "sdb",
+		Handlers: []idem.EventHandler{orderConsumer("orders", g.handle)}, Retry: retry}, nil)
+	waitBounded(t, 30*time.Second, "every record", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= 6 })
+	r2.shutdown(t)
+	if n := count(t, pool, `SELECT count(DISTINCT event_id) FROM effects`); n != 6 {
+		t.Fatalf("%d distinct effects, want 6", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 6 {
+		t.Fatalf("%d effects, want 6 (each once)", n)
+	}
+	waitBounded(t, 10*time.Second, "no lane worker after shutdown", func() bool { return laneWorkerCount(t) == 0 })
+}
+
+// A rebalance (a second member joins) while a record that Goexited waits
+// out an hour's backoff: the poll is hurried, the record rolled back and
+// fetched again by whoever owns its partition, and every record ends
+// applied exactly once, well within the hour.
+func TestLaneRebalanceDuringResumedBackoff(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "orders")
+	pool := db(t)
+	produceOrders(t, addrs, 2, 10, "rdb")
+	g := newGoexitFirst("rdb-4", "rdb-5")
+	retry := idem.RetryPolicy{MaxAttempts: 3, Initial: time.Hour, Max: time.Hour}
+	cfg := kafka.ConsumerConfig{Brokers: addrs, Group: "rdb",
+		Handlers: []idem.EventHandler{orderConsumer("orders", g.handle)}, Retry: retry}
+	startConsumer(t, pool, cfg, nil)
+	select {
+	case <-g.goexited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler never Goexited")
+	}
+	time.Sleep(100 * time.Millisecond)
+	startConsumer(t, pool, cfg, nil)
+	waitBounded(t, 60*time.Second, "every record", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= 10 })
+	time.Sleep(200 * time.Millisecond)
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 10 {
+		t.Fatalf("%d effects, want 10 (each once)", n)
+	}
+	if n := count(t, pool, `SELECT count(DISTINCT event_id) FROM effects`); n != 10 {
+		t.Fatalf("%d distinct effects, want 10", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Fatalf("%d dead letters", n)
+	}
+}
+
+// Batch mode: a batch whose handler fails, Goexits and panics falls back to
+// record by record on the lane; the budget counts the batch's attempt, and
+// every record ends applied once or dead-lettered with the budget used.
+func TestLaneBatchFallbackBudget(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "orders")
+	pool := db(t)
+	produceOrders(t, addrs, 1, 12, "bfb")
+	var mu sync.Mutex
+	calls := map[string]int{}
+	var poisonCalls atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		mu.Lock()
+		calls[ev.EventID]++
+		n := calls[ev.EventID]
+		mu.Unlock()
+		if err := applyOrder(ctx, tx, ev); err != nil {
+			return err
+		}
+		switch {
+		case ev.EventID == "bfb-3" && n == 1:
+			return errors.New("refused once")
+		case ev.EventID == "bfb-3" && n == 2:
+			runtime.Goexit()
+		case ev.EventID == "bfb-7": // always: its budget of 3 ends in a dead letter
+			poisonCalls.Add(1)
+			runtime.Goexit()
+		case ev.EventID == "bfb-9" && n == 1:
+			panic("once")
+		}
+		return nil
+	}
+	out := &outcomes{}
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "bfb", BatchSize: 4,
+		Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
+		Retry:    idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond}}, out)
+	waitBounded(t, 30*time.Second, "every record", func() bool { return out.total() >= 12 })
+	r.shutdown(t)
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 11 {
+		t.Fatalf("%d effects, want 11 (each but the poison once)", n)
+	}
+	if n := count(t, pool, `SELECT count(DISTINCT event_id) FROM effects`); n != 11 {
+		t.Fatalf("%d distinct effects, want 11", n)
+	}
+	if a := count(t, pool, `SELECT attempts FROM idem_dead_letters WHERE koffset = 7`); a != 3 {
+		t.Fatalf("the poison record's dead letter has %d attempts, want 3", a)
+	}
+	if p := poisonCalls.Load(); p != 3 {
+		t.Fatalf("the poison record's handler ran %d times, want 3 (one in the batch, two alone)", p)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if calls["bfb-3"] != 3 {
+		t.Fatalf("bfb-3's handler ran %d times, want 3", calls["bfb-3"])
+	}
+}
