@@ -47,8 +47,9 @@ func From(ctx context.Context) *Lane {
 
 // Acquire takes the lane for one call, reporting false when another call
 // holds it (calls made concurrently with the same ctx): that call then runs
-// on a goroutine of its own. A successful Acquire is followed by exactly
-// one Run and one Release.
+// on a goroutine of its own. A successful Acquire is followed by one or
+// more Runs, each after the f of the one before is done (or its worker
+// ended in it: runtime.Goexit), and one Release.
 func (l *Lane) Acquire() bool {
 	select {
 	case <-l.quit:
