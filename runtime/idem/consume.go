@@ -388,6 +388,7 @@ type resume struct {
 func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *EventHandler, rec *Record, replayID int64, failed error) (Outcome, error) {
 	r := resume{failed: failed, inBatch: failed != nil}
 	w := &inlineGuard{}
+	outside := 0 // Goexits outside the record's user code
 	for {
 		var (
 			outcome Outcome
@@ -399,9 +400,20 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return 0, ctxErr // commit nothing: the record is delivered again
 		}
-		var gerr error = &panicError{where: w.where, value: errGoexit}
-		if w.ended != nil {
-			gerr = w.ended // what guarded would have returned: the panic recovered during the Goexit
+		gerr := w.ended // what guarded would have returned: Goexit, or the panic recovered during it
+		w.ended = nil   // this one is dealt with: a next Goexit outside user code must not be taken for it
+		if gerr == nil {
+			// The worker ended in none of the record's user code: in a
+			// logger, meter or pgx tracer the application supplied. It
+			// is charged to the record as a handler failure, after a
+			// backoff: resumed at once, the same hook ended every new
+			// worker again in a hot loop (120,000 a second), and it may
+			// be the dead letter's own path that ends it.
+			outside++
+			if err := sleep(ctx, p.cfg.Retry.backoff(outside)); err != nil {
+				return 0, err
+			}
+			gerr = &panicError{where: whereHooks, value: errGoexit}
 		}
 		if !w.decoded {
 			r = resume{decodeErr: gerr}
@@ -740,10 +752,15 @@ func (p *Processor) applyBatchGuarded(ctx context.Context, h *EventHandler, recs
 	if ctxErr := ctx.Err(); ctxErr != nil {
 		return nil, ctxErr
 	}
+	if w.ended == nil {
+		// Not in the records' user code (see processOnLane): the batch
+		// falls back, and the records' own runs meet the hook again.
+		return nil, errBatchNeedsFallback
+	}
 	if w.where == whereDecode {
 		return nil, errBatchNeedsFallback
 	}
-	return nil, &batchRecordFailure{index: w.index, err: &panicError{where: w.where, value: errGoexit}}
+	return nil, &batchRecordFailure{index: w.index, err: w.ended}
 }
 
 // applyBatch applies recs in one transaction; w is as in safeDecode.

@@ -321,6 +321,7 @@ func safeCall(ctx context.Context, w *inlineGuard, h *EventHandler, tx pgx.Tx, e
 const (
 	whereDecode  = "decoding the record or reading its event id"
 	whereHandler = "handler"
+	whereHooks   = "the consumer's hooks (a logger, meter or tracer) while applying the record"
 )
 
 // inlineGuard is guarded for a goroutine that may end: the lane worker

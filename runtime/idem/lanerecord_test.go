@@ -3,6 +3,8 @@ package idem_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"log/slog"
 	"runtime"
 	"slices"
 	"strings"
@@ -412,4 +414,129 @@ func TestLaneBatchGoexit(t *testing.T) {
 			t.Fatalf("%d effects, want 4", n)
 		}
 	})
+}
+
+// exitingTracer is a pgx tracer, the application's code, that ends the
+// goroutine it runs on (runtime.Goexit) when a batch starts, while exits
+// says so.
+type exitingTracer struct{ exits atomic.Int64 }
+
+func (e *exitingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (e *exitingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (e *exitingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	if e.exits.Add(-1) >= 0 {
+		runtime.Goexit()
+	}
+	return ctx
+}
+func (e *exitingTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (e *exitingTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// A Goexit outside the record's decode and handler — in a hook of the
+// application's that the runtime calls while applying the record (here a
+// pgx tracer) — is charged to the record after a backoff, never resumed in
+// a hot loop (120,000 restarts a second on the first version of the
+// lane): a hook that does it once costs one attempt, one that always does
+// it ends in a dead letter that says where.
+func TestLaneGoexitInHookIsBounded(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		exits    int64
+		outcome  idem.Outcome
+		handlers int64
+	}{
+		{"once", 1, idem.Applied, 1},
+		{"always", 1 << 40, idem.DeadLettered, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			tr := &exitingTracer{}
+			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
+			if err := idem.Migrate(context.Background(), pool); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+			store := idem.NewStore(pool)
+			p := processor(t, store, 3)
+			var calls atomic.Int64
+			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+			lane, stop := guardlane.With(context.Background())
+			defer stop()
+			tr.exits.Store(tc.exits)
+			start := time.Now()
+			rec := &idem.Record{Topic: "events", Offset: 5, Value: []byte(`{"id":"hook-1","amount":1}`)}
+			if o := laneProcess(t, p, lane, &h, rec); o != tc.outcome {
+				t.Fatalf("outcome %v, want %v", o, tc.outcome)
+			}
+			tr.exits.Store(0)
+			if calls.Load() != tc.handlers {
+				t.Fatalf("handler ran %d times, want %d", calls.Load(), tc.handlers)
+			}
+			if tc.outcome == idem.DeadLettered {
+				dl, err := store.DeadLetter(context.Background(), 1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if want := "panic in the consumer's hooks (a logger, meter or tracer) while applying the record: called runtime.Goexit"; dl.Attempts != 3 || dl.LastError != want {
+					t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
+				}
+			}
+			if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != tc.handlers {
+				t.Fatalf("%d effects, want %d", n, tc.handlers)
+			}
+			t.Logf("done in %v", time.Since(start))
+		})
+	}
+}
+
+// exitingLog is a slog.Handler, the application's, that ends the goroutine
+// it runs on at every record of level error and above.
+type exitingLog struct{ exits *atomic.Int64 }
+
+func (e exitingLog) Enabled(context.Context, slog.Level) bool { return true }
+func (e exitingLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelError {
+		e.exits.Add(1)
+		runtime.Goexit()
+	}
+	return nil
+}
+func (e exitingLog) WithAttrs([]slog.Attr) slog.Handler { return e }
+func (e exitingLog) WithGroup(string) slog.Handler      { return e }
+
+// A logger that ends the worker on the dead letter's own path (its "dead-
+// lettering record" line) keeps the record from ever being dead-lettered;
+// the record then waits, retried with the backoff, until its context ends —
+// never in a hot loop. Fails on the first version of the lane, which
+// resumed at once: over a hundred thousand restarts a second.
+func TestLaneGoexitInDeadLetterPathIsBounded(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	var exits atomic.Int64
+	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		Retry:  idem.RetryPolicy{MaxAttempts: 1, Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+		Logger: slog.New(exitingLog{exits: &exits}),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := handler(func(context.Context, pgx.Tx, event) error { return errors.New("refused") })
+	lane, stop := guardlane.With(context.Background())
+	defer stop()
+	ctx, cancel := context.WithTimeout(lane, 500*time.Millisecond)
+	defer cancel()
+	_, err = p.Process(ctx, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"dl-hook"}`)})
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Process: %v, want the context's deadline", err)
+	}
+	// 500 ms of backoffs of 10–20 ms: a few dozen restarts.
+	if n := exits.Load(); n < 2 || n > 100 {
+		t.Fatalf("%d restarts in 500 ms, want a few dozen at most", n)
+	}
+	if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_dead_letters) + (SELECT count(*) FROM idem_processed_events)`); n != 0 {
+		t.Fatalf("%d rows written", n)
+	}
 }
