@@ -29,7 +29,18 @@ type event struct {
 
 func consumeDB(t *testing.T) (*pgxpool.Pool, *idem.Store) {
 	t.Helper()
-	pool := pgtest.Pool(t)
+	return tracedConsumeDB(t, nil)
+}
+
+// tracedConsumeDB is consumeDB with tracer (when not nil) on the pool's
+// connections.
+func tracedConsumeDB(t *testing.T, tracer pgx.QueryTracer) (*pgxpool.Pool, *idem.Store) {
+	t.Helper()
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
+		if tracer != nil {
+			c.ConnConfig.Tracer = tracer
+		}
+	})
 	if err := idem.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
@@ -68,7 +79,13 @@ func insertEffect(ctx context.Context, tx pgx.Tx, e event) error {
 // hanging it.
 func processBounded(t *testing.T, p *idem.Processor, h *idem.EventHandler, rec *idem.Record) idem.Outcome {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	return processBoundedIn(t, context.Background(), p, h, rec)
+}
+
+// processBoundedIn is processBounded under parent.
+func processBoundedIn(t *testing.T, parent context.Context, p *idem.Processor, h *idem.EventHandler, rec *idem.Record) idem.Outcome {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(parent, 20*time.Second)
 	defer cancel()
 	o, err := p.Process(ctx, h, rec)
 	if err != nil {

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -57,24 +56,10 @@ func (b *batchGoroutines) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBat
 func TestLaneRecordIsOneHandOff(t *testing.T) {
 	t.Parallel()
 	tr := &batchGoroutines{ids: map[string]int{}}
-	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-	if err := idem.Migrate(context.Background(), pool); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-	p := processor(t, idem.NewStore(pool), 3)
+	_, store := tracedConsumeDB(t, tr)
+	p := processor(t, store, 3)
 	var decodedOn, handledOn []string
-	h := idem.Consume(idem.EventSpec[event]{
-		Topic: "events", Context: "ctx",
-		EventID: func(e event) string { return *e.ID },
-		Decode: func(b []byte) (e event, err error) {
-			decodedOn = append(decodedOn, gid())
-			return e, json.Unmarshal(b, &e)
-		},
-	}, func(ctx context.Context, tx pgx.Tx, e event) error {
-		handledOn = append(handledOn, gid())
-		return insertEffect(ctx, tx, e)
-	})
+	h := goroutineNoting(&decodedOn, &handledOn)
 	lane, stop := guardlane.With(context.Background())
 	defer stop()
 	tr.mu.Lock()
@@ -251,13 +236,23 @@ func TestLaneRecordGoexit(t *testing.T) {
 // consumer's partition loop calls Process.
 func laneProcess(t *testing.T, p *idem.Processor, lane context.Context, h *idem.EventHandler, rec *idem.Record) idem.Outcome {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(lane, 20*time.Second)
-	defer cancel()
-	o, err := p.Process(ctx, h, rec)
-	if err != nil {
-		t.Fatalf("Process(offset %d): %v", rec.Offset, err)
-	}
-	return o
+	return processBoundedIn(t, lane, p, h, rec)
+}
+
+// goroutineNoting is the test handler, its decoding noting the goroutine
+// it runs on in decoded and its handler in handled.
+func goroutineNoting(decoded, handled *[]string) idem.EventHandler {
+	return idem.Consume(idem.EventSpec[event]{
+		Topic: "events", Context: "ctx",
+		EventID: func(e event) string { return *e.ID },
+		Decode: func(b []byte) (e event, err error) {
+			*decoded = append(*decoded, gid())
+			return e, json.Unmarshal(b, &e)
+		},
+	}, func(ctx context.Context, tx pgx.Tx, e event) error {
+		*handled = append(*handled, gid())
+		return insertEffect(ctx, tx, e)
+	})
 }
 
 // A batch on the lane is one hand-off too: every record's decoding and
@@ -267,24 +262,10 @@ func laneProcess(t *testing.T, p *idem.Processor, lane context.Context, h *idem.
 func TestLaneBatchIsOneHandOff(t *testing.T) {
 	t.Parallel()
 	tr := &batchGoroutines{ids: map[string]int{}}
-	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-	if err := idem.Migrate(context.Background(), pool); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-	p := processor(t, idem.NewStore(pool), 3)
+	pool, store := tracedConsumeDB(t, tr)
+	p := processor(t, store, 3)
 	var on []string
-	h := idem.Consume(idem.EventSpec[event]{
-		Topic: "events", Context: "ctx",
-		EventID: func(e event) string { return *e.ID },
-		Decode: func(b []byte) (e event, err error) {
-			on = append(on, gid())
-			return e, json.Unmarshal(b, &e)
-		},
-	}, func(ctx context.Context, tx pgx.Tx, e event) error {
-		on = append(on, gid())
-		return insertEffect(ctx, tx, e)
-	})
+	h := goroutineNoting(&on, &on)
 	lane, stop := guardlane.With(context.Background())
 	defer stop()
 	tr.mu.Lock()
@@ -454,12 +435,7 @@ func TestLaneGoexitInHookIsBounded(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			tr := &exitingTracer{}
-			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-			if err := idem.Migrate(context.Background(), pool); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-			store := idem.NewStore(pool)
+			pool, store := tracedConsumeDB(t, tr)
 			p := processor(t, store, 3)
 			var calls atomic.Int64
 			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
