@@ -402,6 +402,21 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 		}
 		gerr := w.ended // what guarded would have returned: Goexit, or the panic recovered during it
 		w.ended = nil   // this one is dealt with: a next Goexit outside user code must not be taken for it
+		if gerr == nil && w.committing {
+			// Ended in a hook during the attempt's COMMIT (a pgx
+			// tracer's TraceBatchEnd runs after the server answered):
+			// the record may be applied, its processed-event row
+			// committed. As for a COMMIT lost to an outage, no attempt
+			// is used: the record is tried again, where that row makes
+			// it a duplicate. Charged, a record on its last attempt
+			// was dead-lettered although it was applied.
+			outside++
+			if err := sleep(ctx, p.cfg.Retry.backoff(outside)); err != nil {
+				return 0, err
+			}
+			r = resume{attempts: w.attempt}
+			continue
+		}
 		if gerr == nil {
 			// The worker ended in none of the record's user code: in a
 			// logger, meter or pgx tracer the application supplied. It
@@ -546,6 +561,9 @@ func (p *Processor) storageCtx(ctx context.Context) (context.Context, context.Ca
 // BEGIN │ INSERT │ COMMIT. Errors of the processor's own statements are
 // *storageError; the handler's are returned as they are.
 func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record, ev any, id string, replayID int64) (Outcome, error) {
+	if w != nil {
+		w.committing = false // a COMMIT of an earlier attempt, if any, is not this one's
+	}
 	sctx, cancel := p.storageCtx(ctx)
 	defer cancel()
 	conn, err := p.pool.Acquire(sctx)
@@ -594,7 +612,14 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 	if err := ctx.Err(); err != nil {
 		return 0, err // never commit a cancelled operation, even if the handler ignored it
 	}
-	if err := p.commit(ctx, tx); err != nil {
+	if w != nil {
+		w.committing = true // until commit returns: see processOnLane
+	}
+	err = p.commit(ctx, tx)
+	if w != nil {
+		w.committing = false
+	}
+	if err != nil {
 		if n == 1 {
 			// The runtime's time since the handler returned counts up to
 			// the COMMIT's answer: a process frozen anywhere in it (before

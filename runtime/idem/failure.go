@@ -341,6 +341,9 @@ type inlineGuard struct {
 	id      string
 	attempt int // attempts used before the one running
 	index   int // in a batch: the record whose handler runs or ran last
+	// committing: the record's COMMIT is being sent or answered (its
+	// outcome unknown if the worker ends there); processOnLane.
+	committing bool
 	// ended is the failure of the user code that ended the worker (set as
 	// the worker unwinds, cleared when the call returns): runtime.Goexit,
 	// or a panic a deferred call raised during the Goexit, which the guard
