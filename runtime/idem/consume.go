@@ -365,13 +365,20 @@ func (p *Processor) process(ctx context.Context, h *EventHandler, rec *Record, r
 }
 
 // resume is where processFrom starts a record: with attempts already used,
-// the last of them failed with failed (nil: a fresh record); or, when
-// decodeErr is set, with its decoding failed.
+// the last of them failed with failed (nil: a fresh record); or, when dead
+// is set, at its dead letter (a decoding that failed, or a spent budget).
 type resume struct {
-	attempts  int
-	failed    error
-	inBatch   bool // failed is the record's failure in a rolled-back batch
-	decodeErr error
+	attempts int
+	failed   error
+	inBatch  bool // failed is the record's failure in a rolled-back batch
+	dead     *deadLetterCall
+}
+
+// deadLetterCall is a dead letter decided: the attempts used and the
+// record's failure.
+type deadLetterCall struct {
+	attempts int
+	cause    error
 }
 
 // processOnLane runs the record on the lane's worker: decoding, every
@@ -417,6 +424,20 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 			r = resume{attempts: w.attempt}
 			continue
 		}
+		if gerr == nil && w.dead != nil {
+			// Ended in a hook on the dead letter's own path (its log
+			// lines, the insert's tracer): the record's failure is
+			// decided, and it is what the dead letter says, with the
+			// attempts it used, not the hook. Tried again after a
+			// backoff; a dead letter stored already is not stored twice
+			// (InsertDeadLetter's conflict).
+			outside++
+			if err := sleep(ctx, p.cfg.Retry.backoff(outside)); err != nil {
+				return 0, err
+			}
+			r = resume{dead: w.dead}
+			continue
+		}
 		if gerr == nil {
 			// The worker ended in none of the record's user code: in a
 			// logger, meter or pgx tracer the application supplied. It
@@ -431,7 +452,7 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 			gerr = &panicError{where: whereHooks, value: errGoexit}
 		}
 		if !w.decoded {
-			r = resume{decodeErr: gerr}
+			r = resume{dead: &deadLetterCall{attempts: 1, cause: gerr}}
 		} else {
 			r = resume{attempts: w.attempt, failed: gerr}
 		}
@@ -460,8 +481,8 @@ func onLane(ctx context.Context, l *guardlane.Lane, fn func()) (returned bool) {
 // processFrom is process from r (see resume); w, when not nil, is the
 // record's inline guard (processOnLane).
 func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record, replayID int64, r resume) (Outcome, error) {
-	if r.decodeErr != nil {
-		return p.deadLetter(ctx, h, rec, replayID, 1, r.decodeErr)
+	if r.dead != nil {
+		return p.deadLetterFrom(ctx, w, h, rec, replayID, r.dead.attempts, r.dead.cause)
 	}
 	var ev any
 	var id string
@@ -471,7 +492,7 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 		var err error
 		ev, id, err = safeDecode(ctx, w, h, rec)
 		if err != nil {
-			return p.deadLetter(ctx, h, rec, replayID, 1, err)
+			return p.deadLetterFrom(ctx, w, h, rec, replayID, 1, err)
 		}
 		if w != nil {
 			w.ev, w.id, w.decoded = ev, id, true
@@ -482,7 +503,7 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 	if r.failed != nil {
 		attempt++
 		if attempt >= p.cfg.Retry.MaxAttempts {
-			return p.deadLetter(ctx, h, rec, replayID, attempt, r.failed)
+			return p.deadLetterFrom(ctx, w, h, rec, replayID, attempt, r.failed)
 		}
 		wait := p.cfg.Retry.backoff(attempt)
 		var err error
@@ -533,7 +554,7 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 			attempt++
 			var ue *unstorableIDError
 			if attempt >= p.cfg.Retry.MaxAttempts || errors.As(err, &ue) {
-				return p.deadLetter(ctx, h, rec, replayID, attempt, err)
+				return p.deadLetterFrom(ctx, w, h, rec, replayID, attempt, err)
 			}
 			wait = p.cfg.Retry.backoff(attempt)
 			p.tel.RecordRetried(ctx, h.Context, rec.Topic)
@@ -546,6 +567,15 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 			return 0, err
 		}
 	}
+}
+
+// deadLetterFrom is deadLetter, noting it on w (when not nil) first: a
+// worker that ends on the dead letter's path resumes there (processOnLane).
+func (p *Processor) deadLetterFrom(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record, replayID int64, attempts int, cause error) (Outcome, error) {
+	if w != nil {
+		w.dead = &deadLetterCall{attempts: attempts, cause: cause}
+	}
+	return p.deadLetter(ctx, h, rec, replayID, attempts, cause)
 }
 
 // storageCtx bounds one of the processor's own statements.

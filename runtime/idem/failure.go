@@ -344,6 +344,7 @@ type inlineGuard struct {
 	// committing: the record's COMMIT is being sent or answered (its
 	// outcome unknown if the worker ends there); processOnLane.
 	committing bool
+	dead       *deadLetterCall // the record's dead letter, decided (processFrom)
 	// ended is the failure of the user code that ended the worker (set as
 	// the worker unwinds, cleared when the call returns): runtime.Goexit,
 	// or a panic a deferred call raised during the Goexit, which the guard

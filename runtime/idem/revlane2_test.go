@@ -3,11 +3,13 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -146,4 +148,76 @@ func TestLaneBatchGoexitAfterCommit(t *testing.T) {
 		t.Errorf("handlers ran %d times, want 5 (the batch's, none again)", n)
 	}
 	t.Logf("outcomes %v", outcomes)
+}
+
+// onceExitingLog is a slog.Handler, the application's, that ends the
+// goroutine it runs on once, at the first line whose message is msg.
+type onceExitingLog struct {
+	msg   string
+	exits *atomic.Int64
+}
+
+func (e onceExitingLog) Enabled(context.Context, slog.Level) bool { return true }
+func (e onceExitingLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == e.msg && e.exits.Add(1) == 1 {
+		runtime.Goexit()
+	}
+	return nil
+}
+func (e onceExitingLog) WithAttrs([]slog.Attr) slog.Handler { return e }
+func (e onceExitingLog) WithGroup(string) slog.Handler      { return e }
+
+// A Goexit in an application hook on the dead letter's own path (here the
+// logger, once, at "dead-lettering record") must not replace the record's
+// failure: the dead letter, once stored, says why the record failed (the
+// handler's error, the decoding's) and how many attempts it used. Fails on
+// lanerec: the dead letter said "panic in the consumer's hooks ...", the
+// handler's (or decoder's) error lost.
+func TestLaneGoexitInDeadLetterPathKeepsCause(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		attempts int
+		value    string
+		want     string
+		used     int
+	}{
+		{"handler_budget_1", 1, `{"id":"dlc-1"}`, "refused", 1},
+		{"handler_budget_3", 3, `{"id":"dlc-3"}`, "refused", 3},
+		{"decode", 3, `{"id":`, "unexpected end of JSON input", 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, store := consumeDB(t)
+			var exits atomic.Int64
+			p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+				Retry:  idem.RetryPolicy{MaxAttempts: tc.attempts, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+				Logger: slog.New(onceExitingLog{msg: "dead-lettering record", exits: &exits}),
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var calls atomic.Int64
+			h := handler(func(context.Context, pgx.Tx, event) error { calls.Add(1); return errors.New("refused") })
+			lane, stop := guardlane.With(context.Background())
+			defer stop()
+			o := laneProcess(t, p, lane, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(tc.value)})
+			if o != idem.DeadLettered {
+				t.Fatalf("outcome %v, want dead-lettered", o)
+			}
+			if exits.Load() < 1 {
+				t.Fatal("the logger never ended the worker")
+			}
+			dl, err := store.DeadLetter(context.Background(), 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if dl.Attempts != tc.used || !strings.Contains(dl.LastError, tc.want) {
+				t.Errorf("dead letter: attempts %d, error %q; want %d, %q", dl.Attempts, dl.LastError, tc.used, tc.want)
+			}
+			if tc.name != "decode" && calls.Load() != int64(tc.attempts) {
+				t.Errorf("handler ran %d times, want %d", calls.Load(), tc.attempts)
+			}
+		})
+	}
 }
