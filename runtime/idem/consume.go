@@ -809,8 +809,11 @@ func (p *Processor) applyBatchGuarded(ctx context.Context, h *EventHandler, recs
 	}
 	if w.ended == nil {
 		// Not in the records' user code (see processOnLane): the batch
-		// falls back, and the records' own runs meet the hook again.
-		return nil, errBatchNeedsFallback
+		// falls back, no record charged, and the records' own runs meet
+		// the hook again (or, if it ended the worker after the batch's
+		// COMMIT, find their processed-event rows: duplicates). Named as
+		// what it was in the batch's failure line.
+		return nil, &panicError{where: whereHooks, value: errGoexit}
 	}
 	if w.where == whereDecode {
 		return nil, errBatchNeedsFallback

@@ -120,7 +120,14 @@ func TestLaneBatchGoexitAfterCommit(t *testing.T) {
 	}
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
 	store := idem.NewStore(pool)
-	p := processor(t, store, 1)
+	logs := newLineLog()
+	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+		Retry:  idem.RetryPolicy{MaxAttempts: 1, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Logger: slog.New(logs),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
 	lane, stop := guardlane.With(context.Background())
@@ -148,6 +155,12 @@ func TestLaneBatchGoexitAfterCommit(t *testing.T) {
 		t.Errorf("handlers ran %d times, want 5 (the batch's, none again)", n)
 	}
 	t.Logf("outcomes %v", outcomes)
+	// The batch's failure is logged as what it was, not as "batch has an
+	// undecodable record" (lanerec's wording, misleading).
+	want := "WARN batch failed; applying its records one by one err=panic in the consumer's hooks (a logger, meter or tracer) while applying the record: called runtime.Goexit"
+	if lines := logs.get(); !slices.Contains(lines, want) {
+		t.Errorf("log lines %q, want %q among them", lines, want)
+	}
 }
 
 // onceExitingLog is a slog.Handler, the application's, that ends the
