@@ -2,11 +2,14 @@ package idem_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -232,5 +235,199 @@ func TestLaneGoexitInDeadLetterPathKeepsCause(t *testing.T) {
 				t.Errorf("handler ran %d times, want %d", calls.Load(), tc.attempts)
 			}
 		})
+	}
+}
+
+// Batch mode on the lane (applyBatchGuarded: the whole batch on the
+// worker, its user code inline) ends, for each kind of odd user code in a
+// batch, exactly as a batch off the lane (each call of user code on a
+// goroutine of its own, as main does): outcomes, handler runs, rows, dead
+// letters and log lines.
+func TestLaneBatchMatchesOffLane(t *testing.T) {
+	t.Parallel()
+	rec := func(id string) string { return `{"id":"` + id + `","amount":1}` }
+	five := []string{rec("a"), rec("b"), rec("c"), rec("d"), rec("e")}
+	// at runs then in the handler of the record with id, on its n-th call,
+	// after the record's effect is written; every other call applies.
+	at := func(id string, then func(n int64)) func(calls *atomic.Int64) idem.EventHandler {
+		return func(calls *atomic.Int64) idem.EventHandler {
+			var mu sync.Mutex
+			seen := map[string]int64{}
+			return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+				calls.Add(1)
+				mu.Lock()
+				seen[*e.ID]++
+				n := seen[*e.ID]
+				mu.Unlock()
+				if err := insertEffect(ctx, tx, e); err != nil {
+					return err
+				}
+				if *e.ID == id {
+					then(n)
+				}
+				return nil
+			})
+		}
+	}
+	cases := []struct {
+		name     string
+		attempts int
+		values   []string
+		mk       func(calls *atomic.Int64) idem.EventHandler
+	}{
+		{"Goexit in the middle, once", 3, five, at("c", func(n int64) {
+			if n == 1 {
+				runtime.Goexit()
+			}
+		})},
+		{"Goexit in the middle, always", 3, five, at("c", func(int64) { runtime.Goexit() })},
+		{"Goexit in the last record, budget 1", 1, five, at("e", func(int64) { runtime.Goexit() })},
+		{"panic in a deferred call during Goexit", 2, five, at("b", func(n int64) {
+			if n == 1 {
+				defer func() { panic("boom in defer") }()
+				runtime.Goexit()
+			}
+		})},
+		{"panic(nil)", 2, five, at("d", func(n int64) {
+			if n == 1 {
+				panic(nil)
+			}
+		})},
+		{"panic, then Goexit, then applies", 3, five, at("b", func(n int64) {
+			switch n {
+			case 1:
+				panic("once")
+			case 2:
+				runtime.Goexit()
+			}
+		})},
+		{"Goexit in the first record, a duplicate id later", 2, []string{rec("a"), rec("b"), rec("a"), rec("c")}, at("a", func(n int64) {
+			if n == 1 {
+				runtime.Goexit()
+			}
+		})},
+		{"Goexit after its own statement failed", 2, five, func(calls *atomic.Int64) idem.EventHandler {
+			return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+				n := calls.Add(1)
+				if *e.ID == "c" && n == 3 {
+					if _, err := tx.Exec(ctx, `SELECT 1/0`); err != nil {
+						runtime.Goexit()
+					}
+				}
+				return insertEffect(ctx, tx, e)
+			})
+		}},
+		{"Goexit in the decoder of one record", 3, five, func(calls *atomic.Int64) idem.EventHandler {
+			return idem.Consume(idem.EventSpec[event]{
+				Topic: "events", Context: "ctx",
+				EventID: func(e event) string { return *e.ID },
+				Decode: func(b []byte) (e event, err error) {
+					if err := json.Unmarshal(b, &e); err != nil {
+						return e, err
+					}
+					if *e.ID == "d" {
+						runtime.Goexit()
+					}
+					return e, nil
+				},
+			}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+		}},
+		{"handler error in the middle, then Goexit", 3, five, at("c", func(n int64) {
+			if n == 2 {
+				runtime.Goexit()
+			}
+		})},
+	}
+	// The last case's first failure is an error, not a Goexit: make it so.
+	cases[len(cases)-1].mk = func(calls *atomic.Int64) idem.EventHandler {
+		var c atomic.Int64
+		return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+			calls.Add(1)
+			if err := insertEffect(ctx, tx, e); err != nil {
+				return err
+			}
+			if *e.ID == "c" {
+				switch c.Add(1) {
+				case 1:
+					return errors.New("refused once")
+				case 2:
+					runtime.Goexit()
+				}
+			}
+			return nil
+		})
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			off := laneScenario(t, false, c.attempts, true, c.values, c.mk)
+			on := laneScenario(t, true, c.attempts, true, c.values, c.mk)
+			if on.String() != off.String() {
+				t.Fatalf("with the lane:\n%v\nwithout it:\n%v", on, off)
+			}
+			t.Logf("%v", on)
+		})
+	}
+}
+
+// A batch on the lane whose context is cancelled in a handler (which then
+// returns, panics or Goexits) or in a decoder (which then Goexits) commits
+// nothing and returns the context's error, on and off the lane.
+func TestLaneBatchCancelled(t *testing.T) {
+	t.Parallel()
+	for _, how := range []string{"return", "panic", "Goexit", "decoder Goexit"} {
+		for _, onLane := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/lane=%v", how, onLane), func(t *testing.T) {
+				t.Parallel()
+				pool, store := consumeDB(t)
+				p := processor(t, store, 3)
+				base := context.Background()
+				if onLane {
+					lane, stop := guardlane.With(base)
+					defer stop()
+					base = lane
+				}
+				ctx, cancel := context.WithCancel(base)
+				defer cancel()
+				h := idem.Consume(idem.EventSpec[event]{
+					Topic: "events", Context: "ctx",
+					EventID: func(e event) string { return *e.ID },
+					Decode: func(b []byte) (e event, err error) {
+						if err := json.Unmarshal(b, &e); err != nil {
+							return e, err
+						}
+						if how == "decoder Goexit" && *e.ID == "cx-3" {
+							cancel()
+							runtime.Goexit()
+						}
+						return e, nil
+					},
+				}, func(hctx context.Context, tx pgx.Tx, e event) error {
+					if err := insertEffect(hctx, tx, e); err != nil {
+						return err
+					}
+					if *e.ID == "cx-2" {
+						cancel()
+						switch how {
+						case "panic":
+							panic("after cancel")
+						case "Goexit":
+							runtime.Goexit()
+						}
+					}
+					return nil
+				})
+				outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("cx", 5))
+				if !errors.Is(err, context.Canceled) {
+					t.Fatalf("ProcessBatch: %v, %v; want context.Canceled", outcomes, err)
+				}
+				if len(outcomes) != 0 {
+					t.Fatalf("outcomes %v, want none", outcomes)
+				}
+				if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`); n != 0 {
+					t.Fatalf("%d rows written, want 0", n)
+				}
+			})
+		}
 	}
 }
