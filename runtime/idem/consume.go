@@ -372,6 +372,9 @@ type resume struct {
 	failed   error
 	inBatch  bool // failed is the record's failure in a rolled-back batch
 	dead     *deadLetterCall
+	// verify: the attempt that failed may have committed (its worker
+	// ended during its COMMIT): before a dead letter, check it did not.
+	verify bool
 }
 
 // deadLetterCall is a dead letter decided: the attempts used and the
@@ -409,21 +412,6 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 		}
 		gerr := w.ended // what guarded would have returned: Goexit, or the panic recovered during it
 		w.ended = nil   // this one is dealt with: a next Goexit outside user code must not be taken for it
-		if gerr == nil && w.committing {
-			// Ended in a hook during the attempt's COMMIT (a pgx
-			// tracer's TraceBatchEnd runs after the server answered):
-			// the record may be applied, its processed-event row
-			// committed. As for a COMMIT lost to an outage, no attempt
-			// is used: the record is tried again, where that row makes
-			// it a duplicate. Charged, a record on its last attempt
-			// was dead-lettered although it was applied.
-			outside++
-			if err := sleep(ctx, p.cfg.Retry.backoff(outside)); err != nil {
-				return 0, err
-			}
-			r = resume{attempts: w.attempt}
-			continue
-		}
 		if gerr == nil && w.dead != nil {
 			// Ended in a hook on the dead letter's own path (its log
 			// lines, the insert's tracer): the record's failure is
@@ -454,7 +442,12 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 		if !w.decoded {
 			r = resume{dead: &deadLetterCall{attempts: 1, cause: gerr}}
 		} else {
-			r = resume{attempts: w.attempt, failed: gerr}
+			// verify: ended during the attempt's COMMIT (a pgx tracer's
+			// TraceBatchEnd runs after the server answered), or while
+			// checking one: the record may be applied. Charged, a
+			// record on its last attempt was dead-lettered although
+			// its COMMIT had taken effect.
+			r = resume{attempts: w.attempt, failed: gerr, verify: w.committing || w.verifying}
 		}
 	}
 }
@@ -503,6 +496,25 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 	if r.failed != nil {
 		attempt++
 		if attempt >= p.cfg.Retry.MaxAttempts {
+			if r.verify {
+				// Its processed-event row says whether that COMMIT
+				// took effect: a duplicate then, never a dead letter.
+				// The handler is not run again (budget spent).
+				w.verifying = true
+				outcome, err := p.applyOnce(ctx, w, h, rec, ev, id, replayID)
+				w.verifying = false
+				if err == nil {
+					return outcome, nil
+				}
+				if ctxErr := ctx.Err(); ctxErr != nil {
+					return 0, ctxErr
+				}
+				if !errors.Is(err, errNotApplied) {
+					// The check itself failed (storage): the dead
+					// letter waits for the database in any case.
+					p.log.WarnContext(ctx, "checking whether the record was committed failed", logRecord(h, rec, "err", err)...)
+				}
+			}
 			return p.deadLetterFrom(ctx, w, h, rec, replayID, attempt, r.failed)
 		}
 		wait := p.cfg.Retry.backoff(attempt)
@@ -569,6 +581,10 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 	}
 }
 
+// errNotApplied is a check (see resume.verify) finding no processed-event
+// row of the record: the COMMIT it followed had not taken effect.
+var errNotApplied = errors.New("the record's processed-event row is absent")
+
 // deadLetterFrom is deadLetter, noting it on w (when not nil) first: a
 // worker that ends on the dead letter's path resumes there (processOnLane).
 func (p *Processor) deadLetterFrom(ctx context.Context, w *inlineGuard, h *EventHandler, rec *Record, replayID int64, attempts int, cause error) (Outcome, error) {
@@ -623,6 +639,9 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 	outcome := Duplicate
 	var idle time.Duration // the handler's longest idle stretch (idleClock), monotonic
 	var returned time.Time
+	if n == 1 && w != nil && w.verifying {
+		return 0, errNotApplied // rolled back: the check writes nothing
+	}
 	if n == 1 {
 		htx := clockTx(tx, time.Now())
 		err := safeCall(eventContext(ctx, h, id), w, h, htx, ev)

@@ -344,6 +344,7 @@ type inlineGuard struct {
 	// committing: the record's COMMIT is being sent or answered (its
 	// outcome unknown if the worker ends there); processOnLane.
 	committing bool
+	verifying  bool            // a check that the record is committed runs (resume.verify)
 	dead       *deadLetterCall // the record's dead letter, decided (processFrom)
 	// ended is the failure of the user code that ended the worker (set as
 	// the worker unwinds, cleared when the call returns): runtime.Goexit,

@@ -26,7 +26,10 @@ import (
 // goroutine it runs on (runtime.Goexit) in TraceBatchEnd of a batch that
 // holds a COMMIT — after the server answered it: the transaction is
 // committed — while exits says so.
-type commitExitTracer struct{ exits atomic.Int64 }
+type commitExitTracer struct {
+	exits   atomic.Int64
+	atStart bool // in TraceBatchStart instead: before the COMMIT is sent
+}
 
 type commitBatchKey struct{}
 
@@ -37,6 +40,9 @@ func (e *commitExitTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQu
 func (e *commitExitTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
 	for _, q := range d.Batch.QueuedQueries {
 		if strings.EqualFold(strings.TrimSpace(q.SQL), "commit") {
+			if e.atStart && e.exits.Add(-1) >= 0 {
+				runtime.Goexit()
+			}
 			return context.WithValue(ctx, commitBatchKey{}, true)
 		}
 	}
@@ -44,7 +50,7 @@ func (e *commitExitTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d p
 }
 func (e *commitExitTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 func (e *commitExitTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchEndData) {
-	if ctx.Value(commitBatchKey{}) != nil && d.Err == nil && e.exits.Add(-1) >= 0 {
+	if !e.atStart && ctx.Value(commitBatchKey{}) != nil && d.Err == nil && e.exits.Add(-1) >= 0 {
 		runtime.Goexit()
 	}
 }
@@ -429,5 +435,68 @@ func TestLaneBatchCancelled(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// A hook that ends the worker at every COMMIT, before sending it (a
+// tracer's TraceBatchStart): the record is never applied, and it still
+// ends in a dead letter once its budget is spent, as any record a hook
+// keeps failing (TestLaneGoexitInHookIsBounded), not retried for ever;
+// and one that ends it after every COMMIT took effect (TraceBatchEnd) is
+// applied once: a duplicate on its re-run, never dead-lettered.
+func TestLaneGoexitAtEveryCommitIsBounded(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		atStart bool
+		outcome idem.Outcome
+		calls   int64
+		effects int64
+	}{
+		{"before", true, idem.DeadLettered, 3, 0},
+		{"after", false, idem.Duplicate, 1, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			tr := &commitExitTracer{atStart: tc.atStart}
+			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
+			if err := idem.Migrate(context.Background(), pool); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+			store := idem.NewStore(pool)
+			p := processor(t, store, 3)
+			var calls atomic.Int64
+			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+			lane, stop := guardlane.With(context.Background())
+			defer stop()
+			tr.exits.Store(1 << 40)
+			ctx, cancel := context.WithTimeout(lane, 5*time.Second)
+			defer cancel()
+			o, err := p.Process(ctx, &h, &idem.Record{Topic: "events", Offset: 3, Value: []byte(`{"id":"every-commit","amount":1}`)})
+			if err != nil {
+				t.Fatalf("Process: %v (exits %d, handler calls %d)", err, 1<<40-tr.exits.Load(), calls.Load())
+			}
+			if o != tc.outcome {
+				t.Errorf("outcome %v, want %v", o, tc.outcome)
+			}
+			if n := calls.Load(); n != tc.calls {
+				t.Errorf("handler ran %d times, want %d", n, tc.calls)
+			}
+			if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != tc.effects {
+				t.Errorf("%d effects, want %d", n, tc.effects)
+			}
+			if tc.outcome == idem.DeadLettered {
+				dl, err := store.DeadLetter(context.Background(), 1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if want := "panic in the consumer's hooks (a logger, meter or tracer) while applying the record: called runtime.Goexit"; dl.Attempts != 3 || dl.LastError != want {
+					t.Errorf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
+				}
+			} else if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+				t.Errorf("%d dead letters", n)
+			}
+		})
 	}
 }
