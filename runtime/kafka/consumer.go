@@ -235,18 +235,37 @@ func (c *Consumer) Run(ctx context.Context) error {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				// One worker goroutine for the handler calls of this
-				// partition's records (see guardlane), ended with them.
-				lane, stop := guardlane.With(pollCtx)
-				defer stop()
-				if rec := r.processPartition(lane, p.Records); rec != nil {
+				rewindTo := func(rec *kgo.Record) {
 					mu.Lock()
+					defer mu.Unlock()
 					if rewind[rec.Topic] == nil {
 						rewind[rec.Topic] = map[int32]kgo.EpochOffset{}
 					}
 					rewind[rec.Topic][rec.Partition] = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset}
-					mu.Unlock()
 				}
+				// pending is the first record not marked; returned is
+				// false while this goroutine unwinds from a
+				// runtime.Goexit in code the application gave the loop
+				// (OnRecord): then the records not marked are fetched
+				// again, as for an interrupted poll. Without it the next
+				// poll went on after them, and its marks committed past
+				// them: records lost.
+				pending, returned := p.Records[0], false
+				defer func() {
+					if !returned && pending != nil {
+						c.logger.Error("the partition loop's goroutine ended (runtime.Goexit in OnRecord); its records not done will be fetched again",
+							"group", c.cfg.Group, "topic", pending.Topic, "partition", pending.Partition, "offset", pending.Offset)
+						rewindTo(pending)
+					}
+				}()
+				// One worker goroutine for the handler calls of this
+				// partition's records (see guardlane), ended with them.
+				lane, stop := guardlane.With(pollCtx)
+				defer stop()
+				if rec := r.processPartition(lane, p.Records, &pending); rec != nil {
+					rewindTo(rec)
+				}
+				returned = true
 			}()
 		})
 		wg.Wait()
@@ -416,7 +435,9 @@ func (r *run) onLost(_ context.Context, _ *kgo.Client, lost map[string][]int32) 
 // (shutdown, or a rebalance waiting) it stops and returns the first record
 // not done, which is not marked and must be fetched again; nil when every
 // record is done.
-func (r *run) processPartition(ctx context.Context, recs []*kgo.Record) *kgo.Record {
+//
+// *pending is kept at the first record not marked (nil once all are).
+func (r *run) processPartition(ctx context.Context, recs []*kgo.Record, pending **kgo.Record) *kgo.Record {
 	for start := 0; start < len(recs); start += r.cfg.BatchSize {
 		chunk := recs[start:min(start+r.cfg.BatchSize, len(recs))]
 		irecs := make([]*idem.Record, len(chunk))
@@ -444,10 +465,15 @@ func (r *run) processPartition(ctx context.Context, recs []*kgo.Record) *kgo.Rec
 			if done > 0 {
 				r.client.MarkCommitRecords(chunk[done-1])
 			}
+			*pending = chunk[done]
 			return chunk[done]
 		}
 		crash.Point(ctx, "consume.after-commit")
 		r.client.MarkCommitRecords(chunk[len(chunk)-1])
+		*pending = nil
+		if end := start + len(chunk); end < len(recs) {
+			*pending = recs[end]
+		}
 	}
 	return nil
 }
