@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -19,6 +20,147 @@ import (
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/internal/guardlane"
 )
+
+// gid is the id of the goroutine it runs on ("goroutine N [running]:").
+func gid() string {
+	b := make([]byte, 64)
+	return strings.Fields(string(b[:runtime.Stack(b, false)]))[1]
+}
+
+// batchGoroutines is a pgx tracer that notes the goroutine every batch
+// (the runtime's pipelines: BEGIN with the processed-event insert, the
+// checked COMMIT) is sent from.
+type batchGoroutines struct {
+	mu  sync.Mutex
+	ids map[string]int
+}
+
+func (b *batchGoroutines) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (b *batchGoroutines) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (b *batchGoroutines) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.ids[gid()]++
+	return ctx
+}
+func (b *batchGoroutines) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (b *batchGoroutines) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// With the Kafka consumer's lane, a record is one hand-off: its decoding,
+// the runtime's statements and its handler all run on the lane's worker,
+// not each user call on the worker and the runtime's statements on the
+// caller's goroutine (two hand-offs per record, a quarter of the
+// consumer's CPU per record). Fails on the version before: the pipelines
+// ran on the caller's goroutine.
+func TestLaneRecordIsOneHandOff(t *testing.T) {
+	t.Parallel()
+	tr := &batchGoroutines{ids: map[string]int{}}
+	_, store := tracedConsumeDB(t, tr)
+	p := processor(t, store, 3)
+	var decodedOn, handledOn []string
+	h := goroutineNoting(&decodedOn, &handledOn)
+	lane, stop := guardlane.With(context.Background())
+	defer stop()
+	tr.mu.Lock()
+	clear(tr.ids) // Migrate's and the table's statements
+	tr.mu.Unlock()
+	caller := gid()
+	for i, id := range []string{"one-1", "one-2"} {
+		rec := &idem.Record{Topic: "events", Offset: int64(i), Value: []byte(`{"id":"` + id + `","amount":1}`)}
+		if o, err := p.Process(lane, &h, rec); err != nil || o != idem.Applied {
+			t.Fatalf("%s: %v, %v", id, o, err)
+		}
+	}
+	worker := handledOn[0]
+	if worker == caller {
+		t.Fatalf("the handler ran on the caller's goroutine %s", caller)
+	}
+	for _, g := range append(decodedOn, handledOn...) {
+		if g != worker {
+			t.Fatalf("user code ran on goroutines %v (decode) and %v (handler), want all on the worker %s", decodedOn, handledOn, worker)
+		}
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.ids) != 1 || tr.ids[worker] != 4 {
+		t.Fatalf("the runtime's pipelines ran on goroutines %v, want 4 on the worker %s (the caller is %s)", tr.ids, worker, caller)
+	}
+}
+
+// laneProcess is processBounded with the lane's context, as the Kafka
+// consumer's partition loop calls Process.
+func laneProcess(t *testing.T, p *idem.Processor, lane context.Context, h *idem.EventHandler, rec *idem.Record) idem.Outcome {
+	t.Helper()
+	return processBoundedIn(t, lane, p, h, rec)
+}
+
+// goroutineNoting is the test handler, its decoding noting the goroutine
+// it runs on in decoded and its handler in handled.
+func goroutineNoting(decoded, handled *[]string) idem.EventHandler {
+	return idem.Consume(idem.EventSpec[event]{
+		Topic: "events", Context: "ctx",
+		EventID: func(e event) string { return *e.ID },
+		Decode: func(b []byte) (e event, err error) {
+			*decoded = append(*decoded, gid())
+			return e, json.Unmarshal(b, &e)
+		},
+	}, func(ctx context.Context, tx pgx.Tx, e event) error {
+		*handled = append(*handled, gid())
+		return insertEffect(ctx, tx, e)
+	})
+}
+
+// A batch on the lane is one hand-off too: every record's decoding and
+// handler, and the batch's pipelines, on the lane's worker. Fails on the
+// version before: the pipelines ran on the caller's goroutine, and each
+// user call was handed to the worker on its own.
+func TestLaneBatchIsOneHandOff(t *testing.T) {
+	t.Parallel()
+	tr := &batchGoroutines{ids: map[string]int{}}
+	pool, store := tracedConsumeDB(t, tr)
+	p := processor(t, store, 3)
+	var on []string
+	h := goroutineNoting(&on, &on)
+	lane, stop := guardlane.With(context.Background())
+	defer stop()
+	tr.mu.Lock()
+	clear(tr.ids)
+	tr.mu.Unlock()
+	ctx, cancel := context.WithTimeout(lane, 20*time.Second)
+	defer cancel()
+	outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("ob", 5))
+	if err != nil || len(outcomes) != 5 {
+		t.Fatalf("%v, %v", outcomes, err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 5 {
+		t.Fatalf("%d effects, want 5", n)
+	}
+	worker := on[0]
+	if worker == gid() {
+		t.Fatal("user code ran on the caller's goroutine")
+	}
+	for _, g := range on {
+		if g != worker {
+			t.Fatalf("user code ran on goroutines %v, want all on one worker", on)
+		}
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.ids) != 1 || tr.ids[worker] != 2 {
+		t.Fatalf("the batch's pipelines ran on goroutines %v, want 2 on the worker %s", tr.ids, worker)
+	}
+}
+
+// batchRecords is n records of one partition with ids prefix-0..n-1.
+func batchRecords(prefix string, n int) []*idem.Record {
+	recs := make([]*idem.Record, n)
+	for i := range recs {
+		recs[i] = &idem.Record{Topic: "events", Offset: int64(i), Value: []byte(`{"id":"` + prefix + `-` + string(rune('0'+i)) + `","amount":1}`)}
+	}
+	return recs
+}
 
 // lineLog is a slog.Handler that keeps each line as "LEVEL msg k=v ..."
 // with the attributes that say what the processor decided (attempt,
@@ -281,6 +423,138 @@ func TestLaneMatchesOffLane(t *testing.T) {
 	}
 }
 
+// Batch mode on the lane (applyBatchGuarded: the whole batch on the
+// worker, its user code inline) ends, for each kind of odd user code in a
+// batch, exactly as a batch off the lane (each call of user code on a
+// goroutine of its own, as main does): outcomes, handler runs, rows, dead
+// letters and log lines.
+func TestLaneBatchMatchesOffLane(t *testing.T) {
+	t.Parallel()
+	rec := func(id string) string { return `{"id":"` + id + `","amount":1}` }
+	five := []string{rec("a"), rec("b"), rec("c"), rec("d"), rec("e")}
+	// at runs then in the handler of the record with id, on its n-th call,
+	// after the record's effect is written; every other call applies.
+	at := func(id string, then func(n int64)) func(calls *atomic.Int64) idem.EventHandler {
+		return func(calls *atomic.Int64) idem.EventHandler {
+			var mu sync.Mutex
+			seen := map[string]int64{}
+			return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+				calls.Add(1)
+				mu.Lock()
+				seen[*e.ID]++
+				n := seen[*e.ID]
+				mu.Unlock()
+				if err := insertEffect(ctx, tx, e); err != nil {
+					return err
+				}
+				if *e.ID == id {
+					then(n)
+				}
+				return nil
+			})
+		}
+	}
+	cases := []struct {
+		name     string
+		attempts int
+		values   []string
+		mk       func(calls *atomic.Int64) idem.EventHandler
+	}{
+		{"Goexit in the middle, once", 3, five, at("c", func(n int64) {
+			if n == 1 {
+				runtime.Goexit()
+			}
+		})},
+		{"Goexit in the middle, always", 3, five, at("c", func(int64) { runtime.Goexit() })},
+		{"Goexit in the last record, budget 1", 1, five, at("e", func(int64) { runtime.Goexit() })},
+		{"panic in a deferred call during Goexit", 2, five, at("b", func(n int64) {
+			if n == 1 {
+				defer func() { panic("boom in defer") }()
+				runtime.Goexit()
+			}
+		})},
+		{"panic(nil)", 2, five, at("d", func(n int64) {
+			if n == 1 {
+				panic(nil)
+			}
+		})},
+		{"panic, then Goexit, then applies", 3, five, at("b", func(n int64) {
+			switch n {
+			case 1:
+				panic("once")
+			case 2:
+				runtime.Goexit()
+			}
+		})},
+		{"Goexit in the first record, a duplicate id later", 2, []string{rec("a"), rec("b"), rec("a"), rec("c")}, at("a", func(n int64) {
+			if n == 1 {
+				runtime.Goexit()
+			}
+		})},
+		{"Goexit after its own statement failed", 2, five, func(calls *atomic.Int64) idem.EventHandler {
+			return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+				n := calls.Add(1)
+				if *e.ID == "c" && n == 3 {
+					if _, err := tx.Exec(ctx, `SELECT 1/0`); err != nil {
+						runtime.Goexit()
+					}
+				}
+				return insertEffect(ctx, tx, e)
+			})
+		}},
+		{"Goexit in the decoder of one record", 3, five, func(calls *atomic.Int64) idem.EventHandler {
+			return idem.Consume(idem.EventSpec[event]{
+				Topic: "events", Context: "ctx",
+				EventID: func(e event) string { return *e.ID },
+				Decode: func(b []byte) (e event, err error) {
+					if err := json.Unmarshal(b, &e); err != nil {
+						return e, err
+					}
+					if *e.ID == "d" {
+						runtime.Goexit()
+					}
+					return e, nil
+				},
+			}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+		}},
+		{"handler error in the middle, then Goexit", 3, five, at("c", func(n int64) {
+			if n == 2 {
+				runtime.Goexit()
+			}
+		})},
+	}
+	// The last case's first failure is an error, not a Goexit: make it so.
+	cases[len(cases)-1].mk = func(calls *atomic.Int64) idem.EventHandler {
+		var c atomic.Int64
+		return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+			calls.Add(1)
+			if err := insertEffect(ctx, tx, e); err != nil {
+				return err
+			}
+			if *e.ID == "c" {
+				switch c.Add(1) {
+				case 1:
+					return errors.New("refused once")
+				case 2:
+					runtime.Goexit()
+				}
+			}
+			return nil
+		})
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			off := laneScenario(t, false, c.attempts, true, c.values, c.mk)
+			on := laneScenario(t, true, c.attempts, true, c.values, c.mk)
+			if on.String() != off.String() {
+				t.Fatalf("with the lane:\n%v\nwithout it:\n%v", on, off)
+			}
+			t.Logf("%v", on)
+		})
+	}
+}
+
 // A handler's panic(nil) is a panic whatever GODEBUG says: with
 // panicnil=1 (the default of a main module whose go.mod says go 1.20 or
 // older, or a //go:debug line) recover returns nil for it, and the inline
@@ -302,61 +576,6 @@ func TestLanePanicNilUnderGODEBUG(t *testing.T) {
 			})
 			if len(run.Outcomes) != 1 || run.Outcomes[0] != "dead-lettered" || run.Effects != 0 || len(run.Dead) != 1 {
 				t.Fatalf("a handler that panicked with nil: %v", run)
-			}
-		})
-	}
-}
-
-// Shutdown or a rebalance during the backoff of a record resumed after a
-// Goexit: Process answers the context's error at once, and nothing is
-// committed (no effect, no processed event, no dead letter).
-func TestLaneCancelDuringResumedBackoff(t *testing.T) {
-	t.Parallel()
-	for _, onLane := range []bool{false, true} {
-		t.Run(fmt.Sprintf("lane=%v", onLane), func(t *testing.T) {
-			t.Parallel()
-			pool, store := consumeDB(t)
-			p, err := idem.NewProcessor(store, idem.ProcessorConfig{
-				Retry: idem.RetryPolicy{MaxAttempts: 2, Initial: time.Hour, Max: time.Hour},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx := context.Background()
-			if onLane {
-				lane, stop := guardlane.With(ctx)
-				defer stop()
-				ctx = lane
-			}
-			ctx, cancel := context.WithCancel(ctx)
-			defer cancel()
-			called := make(chan struct{}, 1)
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-				if err := insertEffect(ctx, tx, e); err != nil {
-					return err
-				}
-				called <- struct{}{}
-				runtime.Goexit()
-				return nil
-			})
-			done := make(chan error, 1)
-			go func() {
-				_, err := p.Process(ctx, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"cb","amount":1}`)})
-				done <- err
-			}()
-			<-called
-			time.Sleep(50 * time.Millisecond) // into the hour's backoff
-			cancel()
-			select {
-			case err := <-done:
-				if !errors.Is(err, context.Canceled) {
-					t.Fatalf("Process: %v, want context.Canceled", err)
-				}
-			case <-time.After(10 * time.Second):
-				t.Fatal("Process did not return after the cancellation")
-			}
-			if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`); n != 0 {
-				t.Fatalf("%d rows written, want 0", n)
 			}
 		})
 	}

@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
@@ -184,5 +187,151 @@ func TestLaneBatchFallbackBudget(t *testing.T) {
 	defer mu.Unlock()
 	if calls["bfb-3"] != 3 {
 		t.Fatalf("bfb-3's handler ran %d times, want 3", calls["bfb-3"])
+	}
+}
+
+// commitExitTracer is a pgx tracer, the application's, that ends the
+// goroutine it runs on (runtime.Goexit) in TraceBatchEnd of every odd
+// batch holding a COMMIT (the 1st, 3rd, ...), up to limit of them: after
+// the server answered, the transaction committed.
+type commitExitTracer struct {
+	commits atomic.Int64
+	exits   atomic.Int64
+	limit   int64
+}
+
+type commitBatchKey struct{}
+
+func (e *commitExitTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (e *commitExitTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (e *commitExitTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	for _, q := range d.Batch.QueuedQueries {
+		if strings.EqualFold(strings.TrimSpace(q.SQL), "commit") {
+			return context.WithValue(ctx, commitBatchKey{}, true)
+		}
+	}
+	return ctx
+}
+func (e *commitExitTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (e *commitExitTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchEndData) {
+	if ctx.Value(commitBatchKey{}) == nil || d.Err != nil {
+		return
+	}
+	if n := e.commits.Add(1); n%2 == 1 && e.exits.Load() < e.limit {
+		e.exits.Add(1)
+		runtime.Goexit()
+	}
+}
+
+// End to end on kfake, batch mode (BatchSize 4) with two handlers on the
+// topic: a handler error in the middle of a batch, a panic, and a tracer
+// that ends the lane's worker after COMMITs took effect (the batch's and
+// the records' own, in the fallback). Every record is applied once by each
+// handler, none is dead-lettered, and the group's committed offset reaches
+// the end. Fails on lanerec: a record whose COMMIT was followed by the
+// Goexit was charged an attempt, and one on its last attempt was
+// dead-lettered although applied.
+func TestLaneBatchGoexitAfterCommitEndToEnd(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "orders")
+	tr := &commitExitTracer{limit: 6}
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	produceOrders(t, addrs, 1, 12, "gac")
+	var mu sync.Mutex
+	calls := map[string]int{}
+	billing := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		mu.Lock()
+		calls[ev.EventID]++
+		n := calls[ev.EventID]
+		mu.Unlock()
+		if err := applyOrder(ctx, tx, ev); err != nil {
+			return err
+		}
+		switch {
+		case ev.EventID == "gac-5" && n == 1:
+			return errors.New("refused once")
+		case ev.EventID == "gac-9" && n == 1:
+			panic("once")
+		}
+		return nil
+	}
+	shipping := idem.Consume(idem.EventSpec[order]{
+		Topic: "orders", Context: "shipping",
+		EventID: func(o order) string { return o.EventID },
+	}, func(ctx context.Context, tx pgx.Tx, ev order) error {
+		_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, amount) VALUES ($1, $2)`, "ship:"+ev.EventID, ev.Amount)
+		return err
+	})
+	out := &outcomes{}
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "gac", BatchSize: 4,
+		Handlers: []idem.EventHandler{orderConsumer("orders", billing), shipping},
+		Retry:    idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond}}, out)
+	waitBounded(t, 30*time.Second, "every record", func() bool { return out.total() >= 24 })
+	time.Sleep(200 * time.Millisecond)
+	r.shutdown(t)
+	if tr.exits.Load() == 0 {
+		t.Fatal("the tracer never ended the worker")
+	}
+	t.Logf("%d Goexits after a COMMIT; outcomes applied %d, duplicate %d, dead-lettered %d", tr.exits.Load(),
+		out.get(idem.Applied), out.get(idem.Duplicate), out.get(idem.DeadLettered))
+	if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Errorf("%d dead letters of applied records, want 0", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 24 {
+		t.Errorf("%d effects, want 24 (12 records, 2 handlers, each once)", n)
+	}
+	if n := count(t, pool, `SELECT count(DISTINCT event_id) FROM effects`); n != 24 {
+		t.Errorf("%d distinct effects, want 24", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_processed_events`); n != 24 {
+		t.Errorf("%d processed-event rows, want 24", n)
+	}
+	if got := committedOffsets(t, addrs, "gac", "orders", 1)[0]; got != 12 {
+		t.Errorf("committed offset %d, want 12", got)
+	}
+}
+
+// Not lane code, and the same on main: OnRecord runs on the partition
+// loop's goroutine, so a Goexit there (a test's t.FailNow in an OnRecord
+// callback, say) ends that goroutine. The poll's records after it must be
+// fetched again, not skipped. Fails on lanerec (and main): records 4 to 9
+// were never applied, and the later records' marks committed offset 12.
+func TestOnRecordGoexitLosesNoRecord(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "orders")
+	pool := db(t)
+	produceOrders(t, addrs, 1, 10, "orx")
+	var once atomic.Bool
+	cfg := kafka.ConsumerConfig{Brokers: addrs, Group: "orx", BatchSize: 1,
+		Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)},
+		OnRecord: func(_ *idem.EventHandler, rec *idem.Record, _ idem.Outcome) {
+			if rec.Offset == 3 && once.CompareAndSwap(false, true) {
+				runtime.Goexit()
+			}
+		}}
+	startConsumer(t, pool, cfg, nil)
+	produceOrders(t, addrs, 1, 2, "ory") // later records: their marks commit past the lost ones
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) && count(t, pool, `SELECT count(*) FROM effects`) < 12 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 12 {
+		var missing []string
+		rows, err := pool.Query(context.Background(), `SELECT id FROM unnest(ARRAY['orx-4','orx-5','orx-6','orx-7','orx-8','orx-9','ory-0','ory-1']) id WHERE id NOT IN (SELECT event_id FROM effects)`)
+		if err == nil {
+			for rows.Next() {
+				var id string
+				_ = rows.Scan(&id)
+				missing = append(missing, id)
+			}
+			rows.Close()
+		}
+		t.Fatalf("%d effects after 10s, want 12; missing %v; committed offset %v", n, missing, committedOffsets(t, addrs, "orx", "orders", 1))
 	}
 }
