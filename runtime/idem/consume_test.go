@@ -50,14 +50,39 @@ func tracedConsumeDB(t *testing.T, tracer pgx.QueryTracer) (*pgxpool.Pool, *idem
 
 func processor(t *testing.T, store *idem.Store, attempts int) *idem.Processor {
 	t.Helper()
-	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+	return processorWith(t, store, idem.ProcessorConfig{
 		Retry:  idem.RetryPolicy{MaxAttempts: attempts, Initial: time.Millisecond, Max: 2 * time.Millisecond},
 		Outage: idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 	})
+}
+
+// processorWith is idem.NewProcessor(store, cfg), failing the test on an
+// error.
+func processorWith(t *testing.T, store *idem.Store, cfg idem.ProcessorConfig) *idem.Processor {
+	t.Helper()
+	p, err := idem.NewProcessor(store, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// deadLetter is the dead letter with id, failing the test when it cannot
+// be read.
+func deadLetter(t *testing.T, store *idem.Store, id int64) *idem.DeadLetter {
+	t.Helper()
+	dl, err := store.DeadLetter(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dl
+}
+
+// rowsWritten is how many rows of effects, processed events and dead
+// letters there are: 0 when nothing was committed.
+func rowsWritten(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	return pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`)
 }
 
 // handler dereferences the id pointer, as generated code for `id=ID` on a

@@ -2,7 +2,6 @@ package idem_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -85,10 +83,7 @@ func TestLaneRecordGoexit(t *testing.T) {
 		if calls.Load() != 3 {
 			t.Fatalf("handler ran %d times, want the budget of 3", calls.Load())
 		}
-		dl, err := store.DeadLetter(context.Background(), 1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		dl := deadLetter(t, store, 1)
 		if dl.Attempts != 3 || dl.LastError != "panic in handler: called runtime.Goexit" {
 			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 		}
@@ -119,10 +114,7 @@ func TestLaneRecordGoexit(t *testing.T) {
 		if decodes.Load() != 1 || calls.Load() != 0 {
 			t.Fatalf("decoded %d times, handler ran %d times; want 1 and 0", decodes.Load(), calls.Load())
 		}
-		dl, err := store.DeadLetter(context.Background(), 1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		dl := deadLetter(t, store, 1)
 		if dl.Attempts != 1 || dl.LastError != "panic in decoding the record or reading its event id: called runtime.Goexit" {
 			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 		}
@@ -159,7 +151,7 @@ func TestLaneRecordGoexit(t *testing.T) {
 		case <-time.After(20 * time.Second):
 			t.Fatal("Process did not return")
 		}
-		if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`); n != 0 {
+		if n := rowsWritten(t, pool); n != 0 {
 			t.Fatalf("%d rows written, want 0", n)
 		}
 	})
@@ -201,10 +193,7 @@ func TestLaneBatchGoexit(t *testing.T) {
 		if calls.Load() != 2 {
 			t.Fatalf("bg-2's handler ran %d times, want 2 (the batch's and one more of a budget of 2)", calls.Load())
 		}
-		dl, err := store.DeadLetter(context.Background(), 1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		dl := deadLetter(t, store, 1)
 		if dl.Attempts != 2 || dl.LastError != "panic in handler: called runtime.Goexit" {
 			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 		}
@@ -219,18 +208,10 @@ func TestLaneBatchGoexit(t *testing.T) {
 		t.Parallel()
 		pool, store := consumeDB(t)
 		p := processor(t, store, 3)
-		h := idem.Consume(idem.EventSpec[event]{
-			Topic: "events", Context: "ctx",
-			EventID: func(e event) string { return *e.ID },
-			Decode: func(b []byte) (e event, err error) {
-				if err := json.Unmarshal(b, &e); err != nil {
-					return e, err
-				}
-				if *e.ID == "bd-3" {
-					runtime.Goexit()
-				}
-				return e, nil
-			},
+		h := decodingThen(func(e event) {
+			if *e.ID == "bd-3" {
+				runtime.Goexit()
+			}
 		}, insertEffect)
 		lane, stop := guardlane.With(context.Background())
 		defer stop()
@@ -244,10 +225,7 @@ func TestLaneBatchGoexit(t *testing.T) {
 		if !slices.Equal(outcomes, want) {
 			t.Fatalf("outcomes %v, want %v", outcomes, want)
 		}
-		dl, err := store.DeadLetter(context.Background(), 1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		dl := deadLetter(t, store, 1)
 		if dl.Attempts != 1 || dl.LastError != "panic in decoding the record or reading its event id: called runtime.Goexit" {
 			t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 		}
@@ -260,20 +238,17 @@ func TestLaneBatchGoexit(t *testing.T) {
 // exitingTracer is a pgx tracer, the application's code, that ends the
 // goroutine it runs on (runtime.Goexit) when a batch starts, while exits
 // says so.
-type exitingTracer struct{ exits atomic.Int64 }
-
-func (e *exitingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
+type exitingTracer struct {
+	noopTracer
+	exits atomic.Int64
 }
-func (e *exitingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
 func (e *exitingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
 	if e.exits.Add(-1) >= 0 {
 		runtime.Goexit()
 	}
 	return ctx
 }
-func (e *exitingTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (e *exitingTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 // A Goexit outside the record's decode and handler — in a hook of the
 // application's that the runtime calls while applying the record (here a
@@ -312,11 +287,8 @@ func TestLaneGoexitInHookIsBounded(t *testing.T) {
 				t.Fatalf("handler ran %d times, want %d", calls.Load(), tc.handlers)
 			}
 			if tc.outcome == idem.DeadLettered {
-				dl, err := store.DeadLetter(context.Background(), 1)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if want := "panic in the consumer's hooks (a logger, meter or tracer) while applying the record: called runtime.Goexit"; dl.Attempts != 3 || dl.LastError != want {
+				dl := deadLetter(t, store, 1)
+				if dl.Attempts != 3 || dl.LastError != hookGoexit {
 					t.Fatalf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 				}
 			}
@@ -328,20 +300,33 @@ func TestLaneGoexitInHookIsBounded(t *testing.T) {
 	}
 }
 
+// hookGoexit is the dead letter's error of a record whose hook (not its
+// decoding or handler) ended the worker on every attempt.
+const hookGoexit = "panic in the consumer's hooks (a logger, meter or tracer) while applying the record: called runtime.Goexit"
+
 // exitingLog is a slog.Handler, the application's, that ends the goroutine
-// it runs on at every record of level error and above.
-type exitingLog struct{ exits *atomic.Int64 }
+// it runs on at the lines match picks, counting them in exits: at every
+// one, or with once at the first only.
+type exitingLog struct {
+	exits *atomic.Int64
+	match func(slog.Record) bool
+	once  bool
+}
 
 func (e exitingLog) Enabled(context.Context, slog.Level) bool { return true }
 func (e exitingLog) Handle(_ context.Context, r slog.Record) error {
-	if r.Level >= slog.LevelError {
-		e.exits.Add(1)
-		runtime.Goexit()
+	if e.match(r) {
+		if n := e.exits.Add(1); !e.once || n == 1 {
+			runtime.Goexit()
+		}
 	}
 	return nil
 }
 func (e exitingLog) WithAttrs([]slog.Attr) slog.Handler { return e }
 func (e exitingLog) WithGroup(string) slog.Handler      { return e }
+
+// errorLines matches the lines of level error and above.
+func errorLines(r slog.Record) bool { return r.Level >= slog.LevelError }
 
 // A logger that ends the worker on the dead letter's own path (its "dead-
 // lettering record" line) keeps the record from ever being dead-lettered;
@@ -352,19 +337,16 @@ func TestLaneGoexitInDeadLetterPathIsBounded(t *testing.T) {
 	t.Parallel()
 	pool, store := consumeDB(t)
 	var exits atomic.Int64
-	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+	p := processorWith(t, store, idem.ProcessorConfig{
 		Retry:  idem.RetryPolicy{MaxAttempts: 1, Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
-		Logger: slog.New(exitingLog{exits: &exits}),
+		Logger: slog.New(exitingLog{exits: &exits, match: errorLines}),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	h := handler(func(context.Context, pgx.Tx, event) error { return errors.New("refused") })
 	lane, stop := guardlane.With(context.Background())
 	defer stop()
 	ctx, cancel := context.WithTimeout(lane, 500*time.Millisecond)
 	defer cancel()
-	_, err = p.Process(ctx, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"dl-hook"}`)})
+	_, err := p.Process(ctx, &h, &idem.Record{Topic: "events", Offset: 1, Value: []byte(`{"id":"dl-hook"}`)})
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Process: %v, want the context's deadline", err)
 	}
@@ -372,27 +354,10 @@ func TestLaneGoexitInDeadLetterPathIsBounded(t *testing.T) {
 	if n := exits.Load(); n < 2 || n > 100 {
 		t.Fatalf("%d restarts in 500 ms, want a few dozen at most", n)
 	}
-	if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_dead_letters) + (SELECT count(*) FROM idem_processed_events)`); n != 0 {
+	if n := rowsWritten(t, pool); n != 0 {
 		t.Fatalf("%d rows written", n)
 	}
 }
-
-// onceExitingLog is a slog.Handler, the application's, that ends the
-// goroutine it runs on once, at the first line whose message is msg.
-type onceExitingLog struct {
-	msg   string
-	exits *atomic.Int64
-}
-
-func (e onceExitingLog) Enabled(context.Context, slog.Level) bool { return true }
-func (e onceExitingLog) Handle(_ context.Context, r slog.Record) error {
-	if r.Message == e.msg && e.exits.Add(1) == 1 {
-		runtime.Goexit()
-	}
-	return nil
-}
-func (e onceExitingLog) WithAttrs([]slog.Attr) slog.Handler { return e }
-func (e onceExitingLog) WithGroup(string) slog.Handler      { return e }
 
 // A Goexit in an application hook on the dead letter's own path (here the
 // logger, once, at "dead-lettering record") must not replace the record's
@@ -417,13 +382,11 @@ func TestLaneGoexitInDeadLetterPathKeepsCause(t *testing.T) {
 			t.Parallel()
 			_, store := consumeDB(t)
 			var exits atomic.Int64
-			p, err := idem.NewProcessor(store, idem.ProcessorConfig{
-				Retry:  idem.RetryPolicy{MaxAttempts: tc.attempts, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-				Logger: slog.New(onceExitingLog{msg: "dead-lettering record", exits: &exits}),
+			p := processorWith(t, store, idem.ProcessorConfig{
+				Retry: idem.RetryPolicy{MaxAttempts: tc.attempts, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+				Logger: slog.New(exitingLog{exits: &exits, once: true,
+					match: func(r slog.Record) bool { return r.Message == "dead-lettering record" }}),
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
 			var calls atomic.Int64
 			h := handler(func(context.Context, pgx.Tx, event) error { calls.Add(1); return errors.New("refused") })
 			lane, stop := guardlane.With(context.Background())
@@ -435,10 +398,7 @@ func TestLaneGoexitInDeadLetterPathKeepsCause(t *testing.T) {
 			if exits.Load() < 1 {
 				t.Fatal("the logger never ended the worker")
 			}
-			dl, err := store.DeadLetter(context.Background(), 1)
-			if err != nil {
-				t.Fatal(err)
-			}
+			dl := deadLetter(t, store, 1)
 			if dl.Attempts != tc.used || !strings.Contains(dl.LastError, tc.want) {
 				t.Errorf("dead letter: attempts %d, error %q; want %d, %q", dl.Attempts, dl.LastError, tc.used, tc.want)
 			}
@@ -454,16 +414,13 @@ func TestLaneGoexitInDeadLetterPathKeepsCause(t *testing.T) {
 // holds a COMMIT — after the server answered it: the transaction is
 // committed — while exits says so.
 type commitExitTracer struct {
+	noopTracer
 	exits   atomic.Int64
 	atStart bool // in TraceBatchStart instead: before the COMMIT is sent
 }
 
 type commitBatchKey struct{}
 
-func (e *commitExitTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (e *commitExitTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 func (e *commitExitTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
 	for _, q := range d.Batch.QueuedQueries {
 		if strings.EqualFold(strings.TrimSpace(q.SQL), "commit") {
@@ -475,7 +432,6 @@ func (e *commitExitTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d p
 	}
 	return ctx
 }
-func (e *commitExitTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 func (e *commitExitTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchEndData) {
 	if !e.atStart && ctx.Value(commitBatchKey{}) != nil && d.Err == nil && e.exits.Add(-1) >= 0 {
 		runtime.Goexit()
@@ -503,12 +459,7 @@ func TestLaneGoexitAfterCommitIsNotDeadLettered(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			tr := &commitExitTracer{}
-			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-			if err := idem.Migrate(context.Background(), pool); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-			store := idem.NewStore(pool)
+			pool, store := tracedConsumeDB(t, tr)
 			p := processor(t, store, tc.attempts)
 			var calls atomic.Int64
 			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
@@ -550,20 +501,12 @@ func TestLaneGoexitAfterCommitIsNotDeadLettered(t *testing.T) {
 func TestLaneBatchGoexitAfterCommit(t *testing.T) {
 	t.Parallel()
 	tr := &commitExitTracer{}
-	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-	if err := idem.Migrate(context.Background(), pool); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-	store := idem.NewStore(pool)
+	pool, store := tracedConsumeDB(t, tr)
 	logs := newLineLog()
-	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+	p := processorWith(t, store, idem.ProcessorConfig{
 		Retry:  idem.RetryPolicy{MaxAttempts: 1, Initial: time.Millisecond, Max: 2 * time.Millisecond},
 		Logger: slog.New(logs),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
 	lane, stop := guardlane.With(context.Background())
@@ -620,12 +563,7 @@ func TestLaneGoexitAtEveryCommitIsBounded(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			tr := &commitExitTracer{atStart: tc.atStart}
-			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-			if err := idem.Migrate(context.Background(), pool); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-			store := idem.NewStore(pool)
+			pool, store := tracedConsumeDB(t, tr)
 			p := processor(t, store, 3)
 			var calls atomic.Int64
 			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
@@ -648,11 +586,8 @@ func TestLaneGoexitAtEveryCommitIsBounded(t *testing.T) {
 				t.Errorf("%d effects, want %d", n, tc.effects)
 			}
 			if tc.outcome == idem.DeadLettered {
-				dl, err := store.DeadLetter(context.Background(), 1)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if want := "panic in the consumer's hooks (a logger, meter or tracer) while applying the record: called runtime.Goexit"; dl.Attempts != 3 || dl.LastError != want {
+				dl := deadLetter(t, store, 1)
+				if dl.Attempts != 3 || dl.LastError != hookGoexit {
 					t.Errorf("dead letter: attempts %d, error %q", dl.Attempts, dl.LastError)
 				}
 			} else if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
@@ -673,27 +608,15 @@ func TestLaneBatchCancelled(t *testing.T) {
 				t.Parallel()
 				pool, store := consumeDB(t)
 				p := processor(t, store, 3)
-				base := context.Background()
-				if onLane {
-					lane, stop := guardlane.With(base)
-					defer stop()
-					base = lane
-				}
+				base, stop := laneIf(context.Background(), onLane)
+				defer stop()
 				ctx, cancel := context.WithCancel(base)
 				defer cancel()
-				h := idem.Consume(idem.EventSpec[event]{
-					Topic: "events", Context: "ctx",
-					EventID: func(e event) string { return *e.ID },
-					Decode: func(b []byte) (e event, err error) {
-						if err := json.Unmarshal(b, &e); err != nil {
-							return e, err
-						}
-						if how == "decoder Goexit" && *e.ID == "cx-3" {
-							cancel()
-							runtime.Goexit()
-						}
-						return e, nil
-					},
+				h := decodingThen(func(e event) {
+					if how == "decoder Goexit" && *e.ID == "cx-3" {
+						cancel()
+						runtime.Goexit()
+					}
 				}, func(hctx context.Context, tx pgx.Tx, e event) error {
 					if err := insertEffect(hctx, tx, e); err != nil {
 						return err
@@ -716,7 +639,7 @@ func TestLaneBatchCancelled(t *testing.T) {
 				if len(outcomes) != 0 {
 					t.Fatalf("outcomes %v, want none", outcomes)
 				}
-				if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`); n != 0 {
+				if n := rowsWritten(t, pool); n != 0 {
 					t.Fatalf("%d rows written, want 0", n)
 				}
 			})
@@ -733,18 +656,11 @@ func TestLaneCancelDuringResumedBackoff(t *testing.T) {
 		t.Run(fmt.Sprintf("lane=%v", onLane), func(t *testing.T) {
 			t.Parallel()
 			pool, store := consumeDB(t)
-			p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+			p := processorWith(t, store, idem.ProcessorConfig{
 				Retry: idem.RetryPolicy{MaxAttempts: 2, Initial: time.Hour, Max: time.Hour},
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx := context.Background()
-			if onLane {
-				lane, stop := guardlane.With(ctx)
-				defer stop()
-				ctx = lane
-			}
+			ctx, stop := laneIf(context.Background(), onLane)
+			defer stop()
 			ctx, cancel := context.WithCancel(ctx)
 			defer cancel()
 			called := make(chan struct{}, 1)
@@ -772,7 +688,7 @@ func TestLaneCancelDuringResumedBackoff(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("Process did not return after the cancellation")
 			}
-			if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM effects) + (SELECT count(*) FROM idem_processed_events) + (SELECT count(*) FROM idem_dead_letters)`); n != 0 {
+			if n := rowsWritten(t, pool); n != 0 {
 				t.Fatalf("%d rows written, want 0", n)
 			}
 		})

@@ -31,22 +31,59 @@ func gid() string {
 // (the runtime's pipelines: BEGIN with the processed-event insert, the
 // checked COMMIT) is sent from.
 type batchGoroutines struct {
+	noopTracer
 	mu  sync.Mutex
 	ids map[string]int
 }
 
-func (b *batchGoroutines) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (b *batchGoroutines) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 func (b *batchGoroutines) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.ids[gid()]++
 	return ctx
 }
-func (b *batchGoroutines) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (b *batchGoroutines) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// noopTracer is a pgx.QueryTracer and pgx.BatchTracer that does nothing:
+// the test tracers embed it and define only the hooks they use.
+type noopTracer struct{}
+
+func (noopTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (noopTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (noopTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+func (noopTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (noopTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// laneIf is ctx on a new lane when onLane (as the Kafka consumer's
+// partition loop calls Process), else ctx itself; stop ends the lane.
+func laneIf(ctx context.Context, onLane bool) (context.Context, func()) {
+	if !onLane {
+		return ctx, func() {}
+	}
+	return guardlane.With(ctx)
+}
+
+// decodingThen is handler(fn) with a decoder of its own that, once it has
+// decoded an event, calls then with it (then may end the goroutine).
+func decodingThen(then func(e event), fn func(context.Context, pgx.Tx, event) error) idem.EventHandler {
+	return idem.Consume(idem.EventSpec[event]{
+		Topic: "events", Context: "ctx",
+		EventID: func(e event) string { return *e.ID },
+		Decode: func(b []byte) (e event, err error) {
+			if err := json.Unmarshal(b, &e); err != nil {
+				return e, err
+			}
+			then(e)
+			return e, nil
+		},
+	}, fn)
+}
+
+// eventJSON is a record's value: the event id with amount 1.
+func eventJSON(id string) string { return `{"id":"` + id + `","amount":1}` }
 
 // With the Kafka consumer's lane, a record is one hand-off: its decoding,
 // the runtime's statements and its handler all run on the lane's worker,
@@ -213,22 +250,15 @@ func laneScenario(t *testing.T, onLane bool, attempts int, batch bool, values []
 	t.Helper()
 	pool, store := consumeDB(t)
 	logs := newLineLog()
-	p, err := idem.NewProcessor(store, idem.ProcessorConfig{
+	p := processorWith(t, store, idem.ProcessorConfig{
 		Retry:  idem.RetryPolicy{MaxAttempts: attempts, Initial: time.Millisecond, Max: 2 * time.Millisecond},
 		Outage: idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 		Logger: slog.New(logs),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var calls atomic.Int64
 	h := mk(&calls)
-	ctx := context.Background()
-	if onLane {
-		lane, stop := guardlane.With(ctx)
-		defer stop()
-		ctx = lane
-	}
+	ctx, stop := laneIf(context.Background(), onLane)
+	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	recs := make([]*idem.Record, len(values))
@@ -274,6 +304,18 @@ func laneScenario(t *testing.T, onLane bool, attempts int, batch bool, values []
 	return run
 }
 
+// matchesOffLane runs a scenario off the lane and then on it, fails the
+// test unless both end alike, and returns the run on the lane.
+func matchesOffLane(t *testing.T, attempts int, batch bool, values []string, mk func(calls *atomic.Int64) idem.EventHandler) laneRun {
+	t.Helper()
+	off := laneScenario(t, false, attempts, batch, values, mk)
+	on := laneScenario(t, true, attempts, batch, values, mk)
+	if on.String() != off.String() {
+		t.Fatalf("with the lane:\n%v\nwithout it:\n%v", on, off)
+	}
+	return on
+}
+
 func (r laneRun) String() string {
 	return fmt.Sprintf("outcomes %v, handler calls %d, effects %d, dead letters %q, logs:\n\t%s",
 		r.Outcomes, r.Calls, r.Effects, r.Dead, strings.Join(r.Logs, "\n\t"))
@@ -288,7 +330,7 @@ func (r laneRun) String() string {
 // text) and the same log lines.
 func TestLaneMatchesOffLane(t *testing.T) {
 	t.Parallel()
-	rec := func(id string) string { return `{"id":"` + id + `","amount":1}` }
+	rec := eventJSON
 	insertThen := func(then func(calls int64)) func(calls *atomic.Int64) idem.EventHandler {
 		return func(calls *atomic.Int64) idem.EventHandler {
 			return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
@@ -414,11 +456,7 @@ func TestLaneMatchesOffLane(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			off := laneScenario(t, false, c.attempts, c.batch, c.values, c.mk)
-			on := laneScenario(t, true, c.attempts, c.batch, c.values, c.mk)
-			if on.String() != off.String() {
-				t.Fatalf("with the lane:\n%v\nwithout it:\n%v", on, off)
-			}
+			matchesOffLane(t, c.attempts, c.batch, c.values, c.mk)
 		})
 	}
 }
@@ -430,7 +468,7 @@ func TestLaneMatchesOffLane(t *testing.T) {
 // letters and log lines.
 func TestLaneBatchMatchesOffLane(t *testing.T) {
 	t.Parallel()
-	rec := func(id string) string { return `{"id":"` + id + `","amount":1}` }
+	rec := eventJSON
 	five := []string{rec("a"), rec("b"), rec("c"), rec("d"), rec("e")}
 	// at runs then in the handler of the record with id, on its n-th call,
 	// after the record's effect is written; every other call applies.
@@ -503,18 +541,10 @@ func TestLaneBatchMatchesOffLane(t *testing.T) {
 			})
 		}},
 		{"Goexit in the decoder of one record", 3, five, func(calls *atomic.Int64) idem.EventHandler {
-			return idem.Consume(idem.EventSpec[event]{
-				Topic: "events", Context: "ctx",
-				EventID: func(e event) string { return *e.ID },
-				Decode: func(b []byte) (e event, err error) {
-					if err := json.Unmarshal(b, &e); err != nil {
-						return e, err
-					}
-					if *e.ID == "d" {
-						runtime.Goexit()
-					}
-					return e, nil
-				},
+			return decodingThen(func(e event) {
+				if *e.ID == "d" {
+					runtime.Goexit()
+				}
 			}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
 		}},
 		{"handler error in the middle, then Goexit", 3, five, at("c", func(n int64) {
@@ -545,11 +575,7 @@ func TestLaneBatchMatchesOffLane(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			off := laneScenario(t, false, c.attempts, true, c.values, c.mk)
-			on := laneScenario(t, true, c.attempts, true, c.values, c.mk)
-			if on.String() != off.String() {
-				t.Fatalf("with the lane:\n%v\nwithout it:\n%v", on, off)
-			}
+			on := matchesOffLane(t, c.attempts, true, c.values, c.mk)
 			t.Logf("%v", on)
 		})
 	}

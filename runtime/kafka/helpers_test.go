@@ -36,7 +36,17 @@ func cluster(t testing.TB, partitions int32, topics ...string) []string {
 // db is a fresh schema with idemgen's tables and an effects table.
 func db(t testing.TB) *pgxpool.Pool {
 	t.Helper()
-	pool := pgtest.Pool(t)
+	return tracedDB(t, nil)
+}
+
+// tracedDB is db with tracer (when not nil) on the pool's connections.
+func tracedDB(t testing.TB, tracer pgx.QueryTracer) *pgxpool.Pool {
+	t.Helper()
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
+		if tracer != nil {
+			c.ConnConfig.Tracer = tracer
+		}
+	})
 	if err := idem.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}

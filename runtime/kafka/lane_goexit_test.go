@@ -11,27 +11,56 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
+
+// perEvent counts a handler's calls per event id.
+type perEvent struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+// applyThen is a handler that counts the call, applies the order and then
+// returns what then returns for it, given the call's number for the
+// order's event id (1 on its first call).
+func (c *perEvent) applyThen(then func(ev order, n int) error) func(context.Context, pgx.Tx, order) error {
+	return func(ctx context.Context, tx pgx.Tx, ev order) error {
+		c.mu.Lock()
+		if c.n == nil {
+			c.n = map[string]int{}
+		}
+		c.n[ev.EventID]++
+		n := c.n[ev.EventID]
+		c.mu.Unlock()
+		if err := applyOrder(ctx, tx, ev); err != nil {
+			return err
+		}
+		return then(ev, n)
+	}
+}
+
+// calls is how many times the handler ran for the event id.
+func (c *perEvent) calls(id string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[id]
+}
 
 // goexitFirst is a handler that, on the first call for each event id in
 // goexitIDs, writes its effect and then ends its goroutine with
 // runtime.Goexit; every other call applies the order. goexited is closed
 // after the first Goexit.
 type goexitFirst struct {
+	perEvent
 	ids      map[string]bool
-	mu       sync.Mutex
-	seen     map[string]int
 	once     sync.Once
 	goexited chan struct{}
 }
 
 func newGoexitFirst(ids ...string) *goexitFirst {
-	g := &goexitFirst{ids: map[string]bool{}, seen: map[string]int{}, goexited: make(chan struct{})}
+	g := &goexitFirst{ids: map[string]bool{}, goexited: make(chan struct{})}
 	for _, id := range ids {
 		g.ids[id] = true
 	}
@@ -39,18 +68,13 @@ func newGoexitFirst(ids ...string) *goexitFirst {
 }
 
 func (g *goexitFirst) handle(ctx context.Context, tx pgx.Tx, ev order) error {
-	g.mu.Lock()
-	g.seen[ev.EventID]++
-	first := g.seen[ev.EventID] == 1
-	g.mu.Unlock()
-	if err := applyOrder(ctx, tx, ev); err != nil {
-		return err
-	}
-	if first && g.ids[ev.EventID] {
-		g.once.Do(func() { close(g.goexited) })
-		runtime.Goexit()
-	}
-	return nil
+	return g.applyThen(func(ev order, n int) error {
+		if n == 1 && g.ids[ev.EventID] {
+			g.once.Do(func() { close(g.goexited) })
+			runtime.Goexit()
+		}
+		return nil
+	})(ctx, tx, ev)
 }
 
 // The consumer shut down while a record that Goexited waits out its retry
@@ -141,17 +165,9 @@ func TestLaneBatchFallbackBudget(t *testing.T) {
 	addrs := cluster(t, 1, "orders")
 	pool := db(t)
 	produceOrders(t, addrs, 1, 12, "bfb")
-	var mu sync.Mutex
-	calls := map[string]int{}
+	var calls perEvent
 	var poisonCalls atomic.Int64
-	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		mu.Lock()
-		calls[ev.EventID]++
-		n := calls[ev.EventID]
-		mu.Unlock()
-		if err := applyOrder(ctx, tx, ev); err != nil {
-			return err
-		}
+	handler := calls.applyThen(func(ev order, n int) error {
 		switch {
 		case ev.EventID == "bfb-3" && n == 1:
 			return errors.New("refused once")
@@ -164,7 +180,7 @@ func TestLaneBatchFallbackBudget(t *testing.T) {
 			panic("once")
 		}
 		return nil
-	}
+	})
 	out := &outcomes{}
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "bfb", BatchSize: 4,
 		Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
@@ -183,10 +199,8 @@ func TestLaneBatchFallbackBudget(t *testing.T) {
 	if p := poisonCalls.Load(); p != 3 {
 		t.Fatalf("the poison record's handler ran %d times, want 3 (one in the batch, two alone)", p)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if calls["bfb-3"] != 3 {
-		t.Fatalf("bfb-3's handler ran %d times, want 3", calls["bfb-3"])
+	if n := calls.calls("bfb-3"); n != 3 {
+		t.Fatalf("bfb-3's handler ran %d times, want 3", n)
 	}
 }
 
@@ -237,22 +251,10 @@ func TestLaneBatchGoexitAfterCommitEndToEnd(t *testing.T) {
 	t.Parallel()
 	addrs := cluster(t, 1, "orders")
 	tr := &commitExitTracer{limit: 6}
-	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tr })
-	if err := idem.Migrate(context.Background(), pool); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	pool := tracedDB(t, tr)
 	produceOrders(t, addrs, 1, 12, "gac")
-	var mu sync.Mutex
-	calls := map[string]int{}
-	billing := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		mu.Lock()
-		calls[ev.EventID]++
-		n := calls[ev.EventID]
-		mu.Unlock()
-		if err := applyOrder(ctx, tx, ev); err != nil {
-			return err
-		}
+	var calls perEvent
+	billing := calls.applyThen(func(ev order, n int) error {
 		switch {
 		case ev.EventID == "gac-5" && n == 1:
 			return errors.New("refused once")
@@ -260,7 +262,7 @@ func TestLaneBatchGoexitAfterCommitEndToEnd(t *testing.T) {
 			panic("once")
 		}
 		return nil
-	}
+	})
 	shipping := idem.Consume(idem.EventSpec[order]{
 		Topic: "orders", Context: "shipping",
 		EventID: func(o order) string { return o.EventID },
