@@ -66,14 +66,7 @@ func TestLaneRecordGoexit(t *testing.T) {
 		pool, store := consumeDB(t)
 		p := processor(t, store, 3)
 		var calls atomic.Int64
-		h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-			calls.Add(1)
-			if err := insertEffect(ctx, tx, e); err != nil {
-				return err
-			}
-			runtime.Goexit()
-			return nil
-		})
+		h := handler(countingInsert(&calls, func(int64) { runtime.Goexit() }))
 		lane, stop := guardlane.With(context.Background())
 		defer stop()
 		rec := &idem.Record{Topic: "events", Offset: 9, Value: []byte(`{"id":"gx-always","amount":5}`)}
@@ -104,7 +97,7 @@ func TestLaneRecordGoexit(t *testing.T) {
 				runtime.Goexit()
 				return e, nil
 			},
-		}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+		}, countingInsert(&calls, nil))
 		lane, stop := guardlane.With(context.Background())
 		defer stop()
 		rec := &idem.Record{Topic: "events", Offset: 3, Value: []byte(`{"id":"gx-d","amount":5}`)}
@@ -273,7 +266,7 @@ func TestLaneGoexitInHookIsBounded(t *testing.T) {
 			pool, store := tracedConsumeDB(t, tr)
 			p := processor(t, store, 3)
 			var calls atomic.Int64
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+			h := handler(countingInsert(&calls, nil))
 			lane, stop := guardlane.With(context.Background())
 			defer stop()
 			tr.exits.Store(tc.exits)
@@ -508,7 +501,7 @@ func TestLaneBatchGoexitAfterCommit(t *testing.T) {
 		Logger: slog.New(logs),
 	})
 	var calls atomic.Int64
-	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+	h := handler(countingInsert(&calls, nil))
 	lane, stop := guardlane.With(context.Background())
 	defer stop()
 	tr.exits.Store(1)
@@ -566,7 +559,7 @@ func TestLaneGoexitAtEveryCommitIsBounded(t *testing.T) {
 			pool, store := tracedConsumeDB(t, tr)
 			p := processor(t, store, 3)
 			var calls atomic.Int64
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+			h := handler(countingInsert(&calls, nil))
 			lane, stop := guardlane.With(context.Background())
 			defer stop()
 			tr.exits.Store(1 << 40)

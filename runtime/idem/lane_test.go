@@ -82,6 +82,22 @@ func decodingThen(then func(e event), fn func(context.Context, pgx.Tx, event) er
 	}, fn)
 }
 
+// countingInsert is a handler that counts its call in calls, writes the
+// event's effect and then, when then is not nil, calls then with the
+// call's number (then may fail the attempt by panicking or Goexiting).
+func countingInsert(calls *atomic.Int64, then func(n int64)) func(context.Context, pgx.Tx, event) error {
+	return func(ctx context.Context, tx pgx.Tx, e event) error {
+		n := calls.Add(1)
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		if then != nil {
+			then(n)
+		}
+		return nil
+	}
+}
+
 // eventJSON is a record's value: the event id with amount 1.
 func eventJSON(id string) string { return `{"id":"` + id + `","amount":1}` }
 
@@ -332,16 +348,7 @@ func TestLaneMatchesOffLane(t *testing.T) {
 	t.Parallel()
 	rec := eventJSON
 	insertThen := func(then func(calls int64)) func(calls *atomic.Int64) idem.EventHandler {
-		return func(calls *atomic.Int64) idem.EventHandler {
-			return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-				n := calls.Add(1)
-				if err := insertEffect(ctx, tx, e); err != nil {
-					return err
-				}
-				then(n)
-				return nil
-			})
-		}
+		return func(calls *atomic.Int64) idem.EventHandler { return handler(countingInsert(calls, then)) }
 	}
 	cases := []struct {
 		name     string
@@ -391,7 +398,7 @@ func TestLaneMatchesOffLane(t *testing.T) {
 						}
 						return *e.ID
 					},
-				}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+				}, countingInsert(calls, nil))
 			},
 		},
 		{
@@ -545,7 +552,7 @@ func TestLaneBatchMatchesOffLane(t *testing.T) {
 				if *e.ID == "d" {
 					runtime.Goexit()
 				}
-			}, func(ctx context.Context, tx pgx.Tx, e event) error { calls.Add(1); return insertEffect(ctx, tx, e) })
+			}, countingInsert(calls, nil))
 		}},
 		{"handler error in the middle, then Goexit", 3, five, at("c", func(n int64) {
 			if n == 2 {
@@ -592,13 +599,7 @@ func TestLanePanicNilUnderGODEBUG(t *testing.T) {
 	for _, onLane := range []bool{false, true} {
 		t.Run(fmt.Sprintf("lane=%v", onLane), func(t *testing.T) {
 			run := laneScenario(t, onLane, 1, false, []string{`{"id":"pn","amount":1}`}, func(calls *atomic.Int64) idem.EventHandler {
-				return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-					calls.Add(1)
-					if err := insertEffect(ctx, tx, e); err != nil {
-						return err
-					}
-					panic(nil)
-				})
+				return handler(countingInsert(calls, func(int64) { panic(nil) }))
 			})
 			if len(run.Outcomes) != 1 || run.Outcomes[0] != "dead-lettered" || run.Effects != 0 || len(run.Dead) != 1 {
 				t.Fatalf("a handler that panicked with nil: %v", run)
