@@ -173,12 +173,7 @@ func TestLaneBatchGoexit(t *testing.T) {
 		})
 		lane, stop := guardlane.With(context.Background())
 		defer stop()
-		ctx, cancel := context.WithTimeout(lane, 20*time.Second)
-		defer cancel()
-		outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("bg", 5))
-		if err != nil {
-			t.Fatal(err)
-		}
+		outcomes := laneProcessBatch(t, p, lane, &h, batchRecords("bg", 5))
 		want := []idem.Outcome{idem.Applied, idem.Applied, idem.DeadLettered, idem.Applied, idem.Applied}
 		if !slices.Equal(outcomes, want) {
 			t.Fatalf("outcomes %v, want %v", outcomes, want)
@@ -208,12 +203,7 @@ func TestLaneBatchGoexit(t *testing.T) {
 		}, insertEffect)
 		lane, stop := guardlane.With(context.Background())
 		defer stop()
-		ctx, cancel := context.WithTimeout(lane, 20*time.Second)
-		defer cancel()
-		outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("bd", 5))
-		if err != nil {
-			t.Fatal(err)
-		}
+		outcomes := laneProcessBatch(t, p, lane, &h, batchRecords("bd", 5))
 		want := []idem.Outcome{idem.Applied, idem.Applied, idem.Applied, idem.DeadLettered, idem.Applied}
 		if !slices.Equal(outcomes, want) {
 			t.Fatalf("outcomes %v, want %v", outcomes, want)
@@ -505,12 +495,7 @@ func TestLaneBatchGoexitAfterCommit(t *testing.T) {
 	lane, stop := guardlane.With(context.Background())
 	defer stop()
 	tr.exits.Store(1)
-	ctx, cancel := context.WithTimeout(lane, 20e9)
-	defer cancel()
-	outcomes, err := p.ProcessBatch(ctx, &h, batchRecords("bc", 5))
-	if err != nil {
-		t.Fatal(err)
-	}
+	outcomes := laneProcessBatch(t, p, lane, &h, batchRecords("bc", 5))
 	if tr.exits.Load() == 1 {
 		t.Fatal("the tracer never ended the worker after a COMMIT")
 	}

@@ -149,6 +149,19 @@ func laneProcess(t *testing.T, p *idem.Processor, lane context.Context, h *idem.
 	return processBoundedIn(t, lane, p, h, rec)
 }
 
+// laneProcessBatch is ProcessBatch with the lane's context, bounded as
+// processBoundedIn bounds Process: an error fails the test.
+func laneProcessBatch(t *testing.T, p *idem.Processor, lane context.Context, h *idem.EventHandler, recs []*idem.Record) []idem.Outcome {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(lane, 20*time.Second)
+	defer cancel()
+	outcomes, err := p.ProcessBatch(ctx, h, recs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return outcomes
+}
+
 // goroutineNoting is the test handler, its decoding noting the goroutine
 // it runs on in decoded and its handler in handled.
 func goroutineNoting(decoded, handled *[]string) idem.EventHandler {
