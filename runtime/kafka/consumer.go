@@ -60,7 +60,10 @@ type ConsumerConfig struct {
 	// OnRecord, if set, is called after each record is done (applied, a
 	// duplicate, or dead-lettered), once per handler, before its offset is
 	// marked. Use it for metrics or logging; it runs on the partition's
-	// goroutine, so keep it fast.
+	// goroutine, so keep it fast. A runtime.Goexit in it (t.FailNow in a
+	// test) ends that goroutine: the partition's records not yet marked
+	// are fetched again (duplicates of those applied), and an error is
+	// logged; a panic in it ends the process.
 	OnRecord func(h *idem.EventHandler, rec *idem.Record, o idem.Outcome)
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
