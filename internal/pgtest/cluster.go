@@ -370,10 +370,20 @@ func (c *Cluster) logTail() {
 }
 
 // SyncStandbyNamed sets synchronous_standby_names (ALTER SYSTEM, reload) on
-// the server at url and waits until new sessions see it. Naming a standby
-// that never connects makes every COMMIT (synchronous_commit on) commit
-// locally and then wait: a commit that went through but has no answer yet,
-// for tests of what a restart or crash does to it. "" resets it.
+// the server at url and waits until it is in force for COMMITs. Naming a
+// standby that never connects makes every COMMIT (synchronous_commit on)
+// commit locally and then wait: a commit that went through but has no
+// answer yet, for tests of what a restart or crash does to it. "" resets
+// it, and COMMITs no longer wait.
+//
+// A new session's SHOW is not enough to know that: a COMMIT waits only
+// while the shared flag sync_standbys_defined is set, and the checkpointer,
+// not the postmaster, sets and clears it when it gets to the reload. On a
+// loaded machine a COMMIT right after SHOW reports the name could still
+// commit without waiting (the test's commit answered at once). So it ends
+// with probe commits (a WAL record, no data) until one waits for the
+// standby when a name is set (that probe is cancelled: committed locally,
+// no harm) or until one does not wait when it is reset.
 func SyncStandbyNamed(t testing.TB, url, name string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -405,18 +415,81 @@ func SyncStandbyNamed(t testing.TB, url, name string) {
 			t.Fatal(err)
 		}
 		if strings.Trim(v, `"`) == name {
-			return
+			break
 		}
 		if ctx.Err() != nil {
 			t.Fatalf("synchronous_standby_names is %q 30s after setting it to %q", v, name)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	for {
+		waited, err := commitWaits(ctx, url)
+		if err != nil {
+			t.Fatalf("synchronous_standby_names = %q: a probe commit: %v", name, err)
+		}
+		if waited == (name != "") {
+			return
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("synchronous_standby_names = %q: COMMITs still waited=%v for a standby 30s after the reload", name, waited)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// commitWaits commits a probe transaction (a WAL record, no data) on a new
+// session to the server at url and reports whether its COMMIT waited for a
+// synchronous standby; a probe that waits is cancelled (pg_cancel_backend:
+// committed locally, the COMMIT returns with a warning).
+func commitWaits(ctx context.Context, url string) (bool, error) {
+	probe, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return false, err
+	}
+	defer probe.Close(context.Background())
+	watch, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return false, err
+	}
+	defer watch.Close(context.Background())
+	pid := probe.PgConn().PID()
+	done := make(chan error, 1)
+	go func() {
+		// A transactional WAL record (an xid, no table): a COMMIT that wrote
+		// no WAL before it (txid_current() alone) never waits for a standby.
+		_, err := probe.Exec(ctx, "SELECT pg_logical_emit_message(true, 'pgtest', 'sync standby probe')")
+		done <- err
+	}()
+	for {
+		select {
+		case err := <-done:
+			return false, err
+		default:
+		}
+		var waiting bool
+		if err := watch.QueryRow(ctx, "SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'SyncRep'", pid).Scan(&waiting); err != nil {
+			<-done // ctx is done (the probe's Exec ends with it), or the server went away
+			return false, err
+		}
+		if waiting {
+			if _, err := watch.Exec(ctx, "SELECT pg_cancel_backend($1)", pid); err != nil {
+				<-done
+				return false, err
+			}
+			return true, <-done
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // WaitSyncRep waits until a session of the server at url waits for its
-// synchronous standby (a COMMIT done locally, not yet answered).
-func WaitSyncRep(t testing.TB, url string) {
+// synchronous standby (a COMMIT done locally, not yet answered) and returns
+// true. It returns false at once if finished (the work under test, which
+// should be the session waiting) is closed first: that work ended without
+// its COMMIT waiting (it failed early, or it committed with no standby
+// named), which the caller reports with what it got; nil waits for a
+// session alone. It fails the test if no session waits within 30s.
+func WaitSyncRep(t testing.TB, url string, finished <-chan struct{}) bool {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -431,8 +504,12 @@ func WaitSyncRep(t testing.TB, url string) {
 			t.Fatalf("no session waiting for its synchronous standby within 30s: %v", err)
 		}
 		if n > 0 {
-			return
+			return true
 		}
-		time.Sleep(10 * time.Millisecond)
+		select {
+		case <-finished:
+			return false
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }

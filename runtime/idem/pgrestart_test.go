@@ -375,11 +375,15 @@ func TestHTTPCommitUnansweredAcrossRestart(t *testing.T) {
 		body := fmt.Sprintf(`{"order":%q,"amount":1}`, key)
 		pgtest.SyncStandbyNamed(t, cl.URL, "phantom")
 		answered := make(chan [3]string, 1)
+		finished := make(chan struct{})
 		go func() {
+			defer close(finished)
 			st, h, b := callWithin(t, 60*time.Second, "POST", url, key, body)
 			answered <- [3]string{fmt.Sprint(st), h.Get("Retry-After"), b}
 		}()
-		pgtest.WaitSyncRep(t, cl.URL)
+		if !pgtest.WaitSyncRep(t, cl.URL, finished) {
+			t.Fatalf("%s: the POST was answered before its COMMIT waited for the standby: %q", mode, <-answered)
+		}
 		if mode == "fast" {
 			cl.Restart("fast")
 		} else {

@@ -42,11 +42,16 @@ func TestRevrtCommitLandedThenSessionEndedIsExactlyOnce(t *testing.T) {
 		err error
 	}
 	done := make(chan result, 1)
+	finished := make(chan struct{})
 	go func() {
+		defer close(finished)
 		o, err := processWithin(p, &h, &idem.Record{Topic: "events", Value: []byte(`{"id":"s1","amount":1}`)}, 60*time.Second)
 		done <- result{o, err}
 	}()
-	pgtest.WaitSyncRep(t, cl.URL)
+	if !pgtest.WaitSyncRep(t, cl.URL, finished) {
+		r := <-done
+		t.Fatalf("Process returned before its COMMIT waited for the standby: %v, %v", r.o, r.err)
+	}
 	if n := countOn(t, cl.URL, `SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep') s`); n != 1 {
 		t.Fatalf("terminated %d sessions waiting for the standby, want 1", n)
 	}

@@ -264,7 +264,7 @@ func TestConsumerCommitUnansweredAcrossRestart(t *testing.T) {
 			pgtest.SyncStandbyNamed(t, pg.URL, "phantom")
 			r := startConsumer(t, pool, cfg, &out)
 			produce(t, producer(t, addrs), orderRecord("orders", order{EventID: "e-1", Amount: 1}))
-			pgtest.WaitSyncRep(t, pg.URL)
+			pgtest.WaitSyncRep(t, pg.URL, nil)
 			if mode == "fast" {
 				pg.Restart("fast")
 			} else {
