@@ -328,7 +328,8 @@ const (
 // that runs a whole record (processOnLane) calls the record's user code
 // (decode, handler) directly instead of handing each call to another
 // goroutine, which cost the Kafka consumer two goroutine hand-offs per
-// record (a quarter of its own CPU per record, and its latency). A panic is
+// record (one now: its own CPU per record 193–213 µs before, 170–189
+// after, BenchmarkProcessRecord; BENCHMARKS.md). A panic is
 // recovered as guarded recovers it. runtime.Goexit cannot be: it ends the
 // worker, the runtime's deferred calls on the way out (the transaction's
 // rollback, the connection's release) run, and the caller, still waiting
@@ -405,10 +406,11 @@ var errGoexit = errors.New("called runtime.Goexit")
 // a small stack and grew it (a copy) in every handler that runs pgx, and
 // its start and end cost scheduler work. Otherwise (a direct Processor
 // call, or a lane held by another call, such as a call made from inside a
-// record's user code) fn runs on a goroutine of its own. A lane is never shared across
-// loops, and its worker ends with the loop: nothing outlives the caller, and
-// a consumer run inside a testing/synctest bubble keeps its goroutines and
-// channels inside it (a process-wide pool of workers broke both). A worker
+// record's user code) fn runs on a goroutine of its own. A lane is never
+// shared across loops, and its worker ends with the loop: nothing outlives
+// the caller, and a consumer run inside a testing/synctest bubble keeps its
+// goroutines and channels inside it (a process-wide pool of workers broke
+// both). A worker
 // whose fn called Goexit ends there (its deferred calls run, so the caller
 // is answered), and the lane's next call starts a new one.
 //
