@@ -96,10 +96,14 @@ type Relay struct {
 	// noNotify turns LISTEN/NOTIFY off (set only by benchmarks through
 	// runtime/internal/relayhook, to measure what NOTIFY buys).
 	noNotify bool
+	// onClaimed is called with the ids of each non-empty batch right after
+	// its claim (set only by tests through runtime/internal/relayhook).
+	onClaimed func(ids []int64)
 }
 
 func init() {
 	relayhook.DisableNotify = func(r any) { r.(*Relay).noNotify = true }
+	relayhook.OnClaimed = func(r any, hook func([]int64)) { r.(*Relay).onClaimed = hook }
 }
 
 // NewRelay returns a Relay publishing store's outbox through pub. It
@@ -541,6 +545,13 @@ func (r *Relay) relayBatch(t *term, log *slog.Logger) (res batchResult) {
 	defer func() { done(res.published, res.failed, res.parked, res.stepDown) }()
 	if h := relayhook.AfterClaim; h != nil {
 		h()
+	}
+	if h := r.onClaimed; h != nil {
+		ids := make([]int64, len(rows))
+		for i, row := range rows {
+			ids[i] = row.ID
+		}
+		h(ids)
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
 	msgs := make([]Message, len(rows))

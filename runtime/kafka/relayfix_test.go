@@ -23,6 +23,7 @@ import (
 	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/internal/relayhook"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
 
@@ -468,15 +469,115 @@ func TestRequeueNotParkedIsNoOp(t *testing.T) {
 	}
 }
 
-// Requeueing parked rows over and over while the relay keeps parking and
-// publishing (enqueues continuing): no row is lost or left in
-// PUBLISHING, and once the fault is gone a last requeue publishes all.
+// Requeueing parked rows while the relay keeps parking and publishing: a
+// requeue that commits while a batch is in flight (claimed, PUBLISHING
+// under the relay's token) requeues exactly the rows that were parked and
+// leaves the batch's rows alone, and the requeued rows go out again through
+// the relay (claimed, failed, parked again with a fresh attempt budget).
+// That interleaving is forced on every run: the relay is held right after
+// each claim (relayhook.OnClaimed) while the test requeues. Then requeues
+// run freely, over and over, while enqueues continue: no row is lost or
+// left in PUBLISHING, and once the fault is gone a last requeue publishes
+// all.
 func TestRequeueParkedRacingRelay(t *testing.T) {
 	t.Parallel()
 	pool := db(t)
 	pub := &failKeyPublisher{fail: map[string]bool{"p": true}, errFor: func(idem.Message) error { return idem.Permanent(errors.New("record too large")) }}
-	startRelay(t, newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 5 * time.Millisecond}))
+	relay := newRelay(t, pool, pub, idem.RelayConfig{PollInterval: 5 * time.Millisecond})
+	var hold atomic.Bool // hold the next claimed batch until resumed
+	claimed := make(chan []int64)
+	resume := make(chan struct{})
+	stopped := make(chan struct{})
+	relayhook.OnClaimed(relay, func(ids []int64) {
+		if !hold.Load() {
+			return
+		}
+		select {
+		case claimed <- ids:
+		case <-stopped:
+			return
+		}
+		select {
+		case <-resume:
+		case <-stopped:
+		}
+	})
+	startRelay(t, relay)
+	t.Cleanup(func() { close(stopped) }) // runs first: a held batch is let go before the relay stops
 	store := idem.NewStore(pool)
+	rows := func(ids []int64) string {
+		var s string
+		if err := pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(concat_ws(',', id, status, attempts, claim_token, locked_until), ';' ORDER BY id), '') FROM idem_outbox WHERE id = ANY($1)`, ids).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	idsWhere := func(cond string) []int64 {
+		var ids []int64
+		if err := pool.QueryRow(context.Background(), `SELECT coalesce(array_agg(id ORDER BY id), '{}') FROM idem_outbox WHERE `+cond).Scan(&ids); err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+
+	// The forced race: each round enqueues one failing and one good event;
+	// the relay claims them and is held; the test requeues every parked row
+	// (those of earlier rounds) and checks the batch in flight is untouched;
+	// then the relay goes on and everything settles before the next round.
+	const rounds = 5
+	var races int
+	for i := range rounds {
+		hold.Store(true)
+		enqueue(t, pool, "events", keyed{Key: "p", Seq: i}, keyed{Key: "ok", Seq: i})
+		var batch []int64
+		select {
+		case batch = <-claimed:
+		case <-time.After(60 * time.Second):
+			t.Fatalf("round %d: the relay held no claimed batch (relayhook.OnClaimed) within 60s: %v", i, statusCounts(t, pool))
+		}
+		hold.Store(false) // the requeued rows' batch goes through
+		if inFlight := idsWhere(`status = 'PUBLISHING' AND claim_token IS NOT NULL`); len(batch) != 2 || fmt.Sprint(inFlight) != fmt.Sprint(batch) {
+			t.Fatalf("round %d: the held batch is %v, the PUBLISHING rows %v; want the round's 2 new rows", i, batch, inFlight)
+		}
+		parked := idsWhere(`status = 'PARKED'`)
+		if len(parked) != i {
+			t.Fatalf("round %d: %d rows parked before the requeue, want %d: %v", i, len(parked), i, statusCounts(t, pool))
+		}
+		before := rows(batch)
+		n, err := store.RequeueAllParked(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if after := rows(batch); after != before {
+			t.Fatalf("round %d: a requeue changed the rows of the batch in flight:\nbefore %s\nafter  %s", i, before, after)
+		}
+		if n != int64(len(parked)) {
+			t.Fatalf("round %d: the requeue with a batch in flight requeued %d rows; %d were parked", i, n, len(parked))
+		}
+		if got := idsWhere(`status = 'PENDING' AND attempts = 0 AND claim_token IS NULL`); fmt.Sprint(got) != fmt.Sprint(parked) {
+			t.Fatalf("round %d: after the requeue the PENDING rows with a fresh budget are %v; want the parked ones %v", i, got, parked)
+		}
+		if n > 0 {
+			races++
+		}
+		resume <- struct{}{}
+		waitUntil(t, fmt.Sprintf("round %d to settle", i), func() bool {
+			c := statusCounts(t, pool)
+			return c["PUBLISHED"] == int64(i+1) && c["PARKED"] == int64(i+1) && c["PENDING"] == 0 && c["PUBLISHING"] == 0
+		})
+		// The requeued rows went through the relay once more: each parked
+		// row failed exactly once since its last requeue.
+		if n := count(t, pool, `SELECT count(*) FROM idem_outbox WHERE status = 'PARKED' AND attempts = 1`); n != int64(i+1) {
+			t.Fatalf("round %d: %d of %d parked rows have attempts = 1: %s", i, n, i+1, rows(idsWhere(`status = 'PARKED'`)))
+		}
+	}
+	if races != rounds-1 {
+		t.Fatalf("%d requeues with a batch in flight found parked rows; want %d", races, rounds-1)
+	}
+
+	// Free-running: requeues over and over while events keep coming. The
+	// rows parked above are there from the start, so the first requeue
+	// already races the relay; the wait below includes it in any case.
 	ctx, cancel := context.WithCancel(context.Background())
 	var requeued atomic.Int64
 	done := make(chan struct{})
@@ -493,11 +594,12 @@ func TestRequeueParkedRacingRelay(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}()
-	for i := range 100 {
+	const events = rounds + 100
+	for i := rounds; i < events; i++ {
 		enqueue(t, pool, "events", keyed{Key: "p", Seq: i}, keyed{Key: "ok", Seq: i})
 	}
-	waitUntil(t, "the good events to be published", func() bool {
-		return count(t, pool, `SELECT count(*) FROM idem_outbox WHERE record_key = 'ok' AND status = 'PUBLISHED'`) == 100
+	waitUntil(t, "the good events to be published and a requeue to have run meanwhile", func() bool {
+		return requeued.Load() > 0 && count(t, pool, `SELECT count(*) FROM idem_outbox WHERE record_key = 'ok' AND status = 'PUBLISHED'`) == events
 	})
 	cancel()
 	<-done
@@ -506,11 +608,8 @@ func TestRequeueParkedRacingRelay(t *testing.T) {
 	if _, err := store.RequeueAllParked(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 200 })
-	if requeued.Load() == 0 {
-		t.Fatal("the race never happened: nothing was requeued while the relay ran")
-	}
-	t.Logf("%d requeues while the relay ran", requeued.Load())
+	waitUntil(t, "every event to be published", func() bool { return statusCounts(t, pool)["PUBLISHED"] == 2*events })
+	t.Logf("%d forced requeues with a batch in flight; %d rows requeued while the relay ran freely", races, requeued.Load())
 }
 
 // Outbox rows whose key and payload hold bytes text columns refuse (NUL,

@@ -14,6 +14,15 @@ var DisableNotify func(relay any)
 // window the lease check before producing exists for.
 var AfterClaim func()
 
+// OnClaimed sets, on one *idem.Relay (passed as any, like DisableNotify),
+// a hook that relay calls right after it claimed a non-empty batch, where
+// AfterClaim is called, with the ids of the rows it claimed (PUBLISHING
+// under its token until it marks them). Set by package idem; call it before
+// Run. Unlike AfterClaim it reaches only that relay, so an in-process test
+// that runs in parallel with others' relays can hold a batch in flight and
+// act on the outbox meanwhile (e.g. requeue parked rows), then return.
+var OnClaimed func(relay any, hook func(ids []int64))
+
 // BeforeMark, if set, is called by a leading relay right before it marks a
 // published batch, the mark's bounded context already running. Tests set it
 // (before Run, in a child process) to freeze the process as if with the mark
