@@ -22,19 +22,8 @@ import (
 func slowNetworkDB(t *testing.T) (direct, proxied *pgxpool.Pool, px *faultproxy.Proxy) {
 	t.Helper()
 	url := pgtest.Schema(t)
-	ctx := context.Background()
-	direct, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(direct.Close)
 	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
-	proxied, err = pgxpool.New(ctx, px.RewriteURL(url))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(proxied.Close)
-	return direct, proxied, px
+	return pgtest.PoolURL(t, url, nil), pgtest.PoolURL(t, px.RewriteURL(url), nil), px
 }
 
 // A handler that is never idle (its time is spent inside its own

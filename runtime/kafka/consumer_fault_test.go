@@ -25,23 +25,13 @@ import (
 func faultDB(t *testing.T) (direct, proxied *pgxpool.Pool, px *faultproxy.Proxy) {
 	t.Helper()
 	url := pgtest.Schema(t)
-	ctx := context.Background()
-	direct, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(direct.Close)
-	if err := idem.Migrate(ctx, direct); err != nil {
+	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
+	direct = pgtest.PoolURL(t, url, nil)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
-	proxied, err = pgxpool.New(ctx, px.RewriteURL(url))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(proxied.Close)
-	return direct, proxied, px
+	return direct, pgtest.PoolURL(t, px.RewriteURL(url), nil), px
 }
 
 // faultConfig: a retry budget of one attempt, so any storage error charged
