@@ -40,6 +40,7 @@ type suite struct {
 
 var suites = []suite{
 	{name: "http", pkg: "./runtime/idem", bench: "^BenchmarkHTTPSideBySide$"},
+	{name: "http-remote", pkg: "./runtime/idem", bench: "^BenchmarkHTTPRemoteDB$"},
 	{name: "consumer", pkg: "./runtime/kafka", bench: "^BenchmarkConsumerSideBySide$"},
 	{name: "relay", pkg: "./runtime/kafka", bench: "^BenchmarkRelaySideBySide$"},
 	{name: "rss", pkg: "./internal/rssbench", bench: "^BenchmarkPeakRSS$"},

@@ -201,6 +201,31 @@ func TestLatency(t *testing.T) {
 	}
 }
 
+// PreciseLatency holds each chunk for its delay (each way), and Latency
+// after it is a timer's again (Close interrupts it: TestClose).
+func TestPreciseLatency(t *testing.T) {
+	target, _ := echoServer(t)
+	p := faultproxy.New(t, target)
+	c := dial(t, p.Addr())
+	mustEcho(t, c)
+	const d = 20 * time.Millisecond
+	p.PreciseLatency(d)
+	start := time.Now()
+	mustEcho(t, c)
+	if rtt := time.Since(start); rtt < 2*d {
+		t.Errorf("round trip with precise latency %v took %v; want at least %v", d, rtt, 2*d)
+	}
+	p.Latency(time.Hour)
+	_, _ = io.WriteString(c, "stuck\n")
+	done := make(chan error)
+	go func() { done <- p.Close() }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close hung: Latency after PreciseLatency is not a timer's")
+	}
+}
+
 func TestClose(t *testing.T) {
 	target, _ := echoServer(t)
 	p, err := faultproxy.Start(target)

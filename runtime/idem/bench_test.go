@@ -130,68 +130,11 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		b.Fatal(err)
 	}
 
-	type kind struct {
-		name string
-		op   func(i int64)
-	}
 	for _, c := range []int{1, 8, 64} {
 		rounds := benchkit.Pick(2, 6)
 		n := benchkit.Pick(map[int]int{1: 400, 8: 600, 64: 1200}, map[int]int{1: 1000, 8: 3000, 64: 6000})[c]
-		var kinds []kind
-		for _, k := range []string{"bare", "first", "replay", "replay-same"} {
-			kinds = append(kinds, kind{name: k, op: func(i int64) {
-				switch k {
-				case "bare":
-					hb.call(b, hb.bare, "")
-				case "first":
-					hb.call(b, hb.idemH, fmt.Sprintf("f-%d-%d-%d", c, b.N, i))
-				case "replay":
-					hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i%replayKeys))
-				case "replay-same":
-					hb.call(b, hb.idemH, "same")
-				}
-			}})
-		}
-		lat := map[string][]time.Duration{}
-		wall := map[string]time.Duration{}
-		cpu := map[string]benchkit.CPU{}
-		var seq atomic.Int64
-		for range rounds {
-			for _, k := range kinds {
-				start, cpuStart := time.Now(), benchkit.ReadCPU(pids)
-				var mu sync.Mutex
-				var wg sync.WaitGroup
-				var left atomic.Int64
-				left.Store(int64(n))
-				for range c {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						var mine []time.Duration
-						for left.Add(-1) >= 0 {
-							t := time.Now()
-							k.op(seq.Add(1))
-							mine = append(mine, time.Since(t))
-						}
-						mu.Lock()
-						lat[k.name] = append(lat[k.name], mine...)
-						mu.Unlock()
-					}()
-				}
-				wg.Wait()
-				wall[k.name] += time.Since(start)
-				used := benchkit.ReadCPU(pids).Sub(cpuStart)
-				cpu[k.name] = benchkit.CPU{Client: cpu[k.name].Client + used.Client, Server: cpu[k.name].Server + used.Server}
-			}
-		}
-		thr := map[string]float64{}
-		p50 := map[string]time.Duration{}
-		p99 := map[string]time.Duration{}
-		for _, k := range kinds {
-			thr[k.name] = float64(n*rounds) / wall[k.name].Seconds()
-			p50[k.name] = benchkit.Percentile(lat[k.name], 0.50)
-			p99[k.name] = benchkit.Percentile(lat[k.name], 0.99)
-		}
+		r := hb.rounds(b, pids, c, n, rounds, []string{"bare", "first", "replay", "replay-same"}, replayKeys)
+		thr, p50, p99, cpu := r.thr, r.p50, r.p99, r.cpu
 		detail := func(a, z string) string {
 			return fmt.Sprintf("%s %.0f/s p50 %.2fms p99 %.2fms; %s %.0f/s p50 %.2fms p99 %.2fms",
 				a, thr[a], benchkit.Ms(p50[a]), benchkit.Ms(p99[a]), z, thr[z], benchkit.Ms(p50[z]), benchkit.Ms(p99[z]))
@@ -276,6 +219,81 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 		Detail: fmt.Sprintf("replayed row xmax after replays: %s (0: not locked)", xmaxAfter)})
 
 	statementCPU(b, one.pool)
+}
+
+// httpRounds is what hb.rounds measured, by kind: throughput (requests a
+// second), p50 and p99 latency, and the CPU used (this process, the
+// pool's backends).
+type httpRounds struct {
+	thr      map[string]float64
+	p50, p99 map[string]time.Duration
+	cpu      map[string]benchkit.CPU
+}
+
+// rounds runs, rounds times, n requests of each of kinds ("bare", "first":
+// a new key each, "replay": one of the replayKeys completed keys r-<i>,
+// "replay-same": the completed key "same") one kind after the other, from
+// c workers each sending its next request when the last is answered; pids
+// are the pool's backends, whose CPU is read around each kind's run.
+func (hb *httpBench) rounds(b *testing.B, pids []int32, c, n, rounds int, kinds []string, replayKeys int64) httpRounds {
+	type kind struct {
+		name string
+		op   func(i int64)
+	}
+	var ks []kind
+	for _, k := range kinds {
+		ks = append(ks, kind{name: k, op: func(i int64) {
+			switch k {
+			case "bare":
+				hb.call(b, hb.bare, "")
+			case "first":
+				hb.call(b, hb.idemH, fmt.Sprintf("f-%d-%d-%d", c, b.N, i))
+			case "replay":
+				hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i%replayKeys))
+			case "replay-same":
+				hb.call(b, hb.idemH, "same")
+			}
+		}})
+	}
+	lat := map[string][]time.Duration{}
+	wall := map[string]time.Duration{}
+	cpu := map[string]benchkit.CPU{}
+	var seq atomic.Int64
+	for range rounds {
+		for _, k := range ks {
+			start, cpuStart := time.Now(), benchkit.ReadCPU(pids)
+			var mu sync.Mutex
+			var wg sync.WaitGroup
+			var left atomic.Int64
+			left.Store(int64(n))
+			for range c {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var mine []time.Duration
+					for left.Add(-1) >= 0 {
+						t := time.Now()
+						k.op(seq.Add(1))
+						mine = append(mine, time.Since(t))
+					}
+					mu.Lock()
+					lat[k.name] = append(lat[k.name], mine...)
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			wall[k.name] += time.Since(start)
+			used := benchkit.ReadCPU(pids).Sub(cpuStart)
+			cpu[k.name] = benchkit.CPU{Client: cpu[k.name].Client + used.Client, Server: cpu[k.name].Server + used.Server}
+		}
+	}
+	r := httpRounds{thr: map[string]float64{}, p50: map[string]time.Duration{}, p99: map[string]time.Duration{}, cpu: cpu}
+	for _, k := range ks {
+		r.thr[k.name] = float64(n*rounds) / wall[k.name].Seconds()
+		r.p50[k.name] = benchkit.Percentile(lat[k.name], 0.50)
+		r.p99[k.name] = benchkit.Percentile(lat[k.name], 0.99)
+	}
+	return r
 }
 
 // statementCPU measures what the runtime's own statements cost PostgreSQL,
