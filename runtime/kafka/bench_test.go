@@ -308,7 +308,7 @@ func BenchmarkRelaySideBySide(b *testing.B) {
 		latency time.Duration
 	}{{"in-process kfake", 0}, {"+1 ms per produce", 500 * time.Microsecond}} {
 		c, proxies := faultproxy.KafkaCluster(b, 1, kfake.SeedTopics(3, "events"))
-		faultproxy.Each(proxies, func(p *faultproxy.Proxy) { p.Latency(link.latency) })
+		faultproxy.Each(proxies, func(p *faultproxy.Proxy) { p.PreciseLatency(link.latency) }) // a timer would sleep ≥ 1 ms a chunk
 		addrs := c.ListenAddrs()
 		pool := db(b)
 		if n := benchkit.History(); n > 0 {
