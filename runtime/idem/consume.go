@@ -648,7 +648,19 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 		returned = time.Now()
 		idle = htx.clock.idle(returned)
 		if err != nil {
-			return 0, suspectIdle(handlerFailure(ctx, tx, err), idle, 0)
+			ferr := handlerFailure(ctx, tx, err)
+			var oe *outageError
+			if errors.As(ferr, &oe) {
+				// A closed connection: the handler's own context may have
+				// closed it (ownCtxCause), decided in handlerCulprit.
+				return 0, suspect(ferr, idle, 0, ownCtxCause(ctx, tx, htx.clock, err))
+			}
+			return 0, suspectIdle(ferr, idle, 0)
+		}
+		if cause := ownCtxCause(ctx, tx, htx.clock, nil); cause != nil {
+			// Returned nil on a connection its own context closed: no
+			// COMMIT can succeed there (sent, it fails as an outage).
+			return 0, suspect(&outageError{err: errConnClosedUnderHandler}, idle, 0, cause)
 		}
 		if err := handlerLeftTx(tx); err != nil {
 			return 0, err
@@ -888,7 +900,7 @@ func (p *Processor) applyBatch(ctx context.Context, w *inlineGuard, h *EventHand
 			// A session ended by idle_in_transaction_session_timeout is an
 			// outage here, at the handler's statement or the COMMIT: the
 			// batch falls back to record by record, where each handler's
-			// own run is measured (idleSuspect). So is a statement the
+			// own run is measured (handlerSuspect). So is a statement the
 			// server cancelled (57014): the records' handlers share the
 			// transaction, and a statement_timeout an earlier handler set
 			// (SET LOCAL lasts until the batch's COMMIT) cancels a later

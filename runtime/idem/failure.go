@@ -572,46 +572,151 @@ func idleTimeout(ctx context.Context, pool *pgxpool.Pool, configured, bound time
 	return time.Duration(ms) * time.Millisecond
 }
 
-// idleSuspect is an attempt the server ended with 25P03, at the handler's
-// statement or at the COMMIT, with the handler's longest idle stretch
-// (see idleClock) and the runtime's own time after it. process decides
-// whose failure it is (handlerCulprit) once applyOnce has returned the attempt's connection to
-// the pool: reading the session's timeout must not wait for the very
-// connection the attempt holds (a pool of one would wait StorageTimeout
-// and call it an outage).
-type idleSuspect struct {
-	err         error // as classified without the rule: an outage
+// handlerSuspect is an attempt's failure that reads as an outage but that
+// the handler may have caused:
+//
+//   - a session the server ended with 25P03, at the handler's statement or
+//     at the COMMIT, with the handler's longest idle stretch (see
+//     idleClock) and the runtime's own time after it;
+//   - a connection closed under the handler while a context of the
+//     handler's own ended one of its statements (ownCtx: see ownCtxCause).
+//
+// process decides whose failure it is (handlerCulprit) once applyOnce has
+// returned the attempt's connection to the pool: reading the session's
+// timeout, or checking that the database answers, must not wait for the
+// very connection the attempt holds (a pool of one would wait
+// StorageTimeout and call it an outage).
+type handlerSuspect struct {
+	err         error // as classified without the rules: an outage
 	idle, after time.Duration
+	// ownCtx, when not nil, is what the handler returned after its own
+	// context ended one of its statements and closed the connection
+	// (errOwnCtxSwallowed when it returned nil).
+	ownCtx error
 }
 
-func (e *idleSuspect) Error() string { return e.err.Error() }
-func (e *idleSuspect) Unwrap() error { return e.err }
+func (e *handlerSuspect) Error() string { return e.err.Error() }
+func (e *handlerSuspect) Unwrap() error { return e.err }
 
-// suspectIdle returns err as an *idleSuspect when it is a session ended
+// suspectIdle returns err as a *handlerSuspect when it is a session ended
 // with 25P03 after a handler whose longest idle stretch was idle, the
 // runtime's time after it being after.
 func suspectIdle(err error, idle, after time.Duration) error {
-	if pgCode(err) != idleEnded {
-		return err
-	}
-	return &idleSuspect{err: err, idle: idle, after: after}
+	return suspect(err, idle, after, nil)
 }
 
-// handlerCulprit resolves an *idleSuspect in err: the record's failure
-// (*idleTimeoutError) when the handler caused it (see above), otherwise the
-// error without the rule (an outage). Other errors pass through.
+// suspect returns err as a *handlerSuspect when it is a session ended with
+// 25P03 (idle and after as in suspectIdle) or when ownCtx is not nil (see
+// ownCtxCause); otherwise err.
+func suspect(err error, idle, after time.Duration, ownCtx error) error {
+	if ownCtx == nil && pgCode(err) != idleEnded {
+		return err
+	}
+	return &handlerSuspect{err: err, idle: idle, after: after, ownCtx: ownCtx}
+}
+
+// handlerCulprit resolves a *handlerSuspect in err: the record's failure
+// (*idleTimeoutError, *ownCtxError) when the handler caused it (see above
+// and ownCtxError), otherwise the error without the rules (an outage).
+// Other errors pass through.
 func (p *Processor) handlerCulprit(ctx context.Context, err error) error {
-	var s *idleSuspect
+	var s *handlerSuspect
 	if !errors.As(err, &s) {
 		return err
 	}
-	if s.idle < p.cfg.IdleInTransactionTimeout {
-		// The cheap test first: a handler never idle as long as the
-		// configured timeout is never the cause, and no query is needed to say so.
-		return s.err
+	// The cheap test first: a handler never idle as long as the configured
+	// timeout is never the cause, and no query is needed to say so.
+	if pgCode(s.err) == idleEnded && s.idle >= p.cfg.IdleInTransactionTimeout {
+		if ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)); ie != nil {
+			return ie
+		}
 	}
-	if ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)); ie != nil {
-		return ie
+	if s.ownCtx != nil && dbAnswers(ctx, p.pool, p.cfg.StorageTimeout) {
+		return &ownCtxError{err: s.ownCtx}
 	}
 	return s.err
+}
+
+// A handler may bound a statement with a context of its own:
+//
+//	qctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+//	defer cancel()
+//	_, err := tx.Exec(qctx, "...")
+//
+// or cancel one it made (context.WithCancel). When that context ends
+// while the statement runs, pgx's default context watcher
+// (pgconn.DeadlineContextWatcherHandler) ends the statement by closing the
+// connection, and pgconn returns context.Canceled, or a timeout error
+// wrapping context.DeadlineExceeded. A closed connection under a handler
+// is otherwise the database going away (an outage: no attempt used), and
+// this was waited out forever: the statement is ended the same way on
+// every attempt, and the record blocked its partition for good.
+//
+// But the handler's deadline also fires when the database does not answer
+// (blackholed, a network partition): that is an outage and must use no
+// attempt. So whose it is is decided after the attempt's connection is
+// back in the pool (handlerCulprit), by a round trip on another connection
+// of the pool bounded by StorageTimeout, the bound within which the
+// runtime's own statements call the database available (dbAnswers): the
+// database answering means the handler's context ended its statement, the
+// record's failure (*ownCtxError), which uses the budget and ends as a
+// dead letter; no answer, an outage as before. A deadline too short for
+// the database as it is (slow statements, lock waits, a slow network that
+// still answers within StorageTimeout) fails the record, as a
+// statement_timeout does (57014, and a pool whose context watcher sends a
+// cancel request gets 57014 for the handler's own deadline too): the
+// handler chose it, and it would fail again on every attempt.
+//
+// The suspicion needs the runtime's context alive (its own cancellation is
+// seen first), the handler's connection closed, and a context's error
+// either in what the handler returned or in a call of the handler's seen
+// by idleClock: a handler that loses the error's chain (%v) or drops it
+// and returns nil is caught through the latter, a statement sent through
+// tx.Conn() through the former only.
+
+// ownCtxError is a statement of the handler ended by a context of the
+// handler's own, which closed the connection, while the database answers:
+// the record's failure. err is what the handler returned.
+type ownCtxError struct{ err error }
+
+func (e *ownCtxError) Error() string {
+	return "the handler's own context (a deadline or cancel it set, not the runtime's) ended its statement, and pgx closed the connection to end it, " +
+		"which rolled the attempt back; the database answers, so it is not an outage " +
+		"(give the statement more time, or bound it with statement_timeout): " + e.err.Error()
+}
+func (e *ownCtxError) Unwrap() error { return e.err }
+
+// errOwnCtxSwallowed is the cause of an *ownCtxError of a handler that
+// returned nil after its own context ended one of its statements.
+var errOwnCtxSwallowed = errors.New("the handler returned nil after its own context ended one of its statements (the statement's error was dropped)")
+
+// errConnClosedUnderHandler is a handler returning nil on a transaction
+// whose connection is closed: nothing can commit.
+var errConnClosedUnderHandler = errors.New("the handler returned on a transaction whose connection is closed")
+
+// ownCtxCause returns what to charge the record with when its handler's
+// own context may have closed the connection (see above): err (what the
+// handler returned), or errOwnCtxSwallowed when err is nil; nil when not:
+// the runtime's context ctx ended, tx's connection is open, or neither err
+// nor a call clock saw holds a context's error.
+func ownCtxCause(ctx context.Context, tx pgx.Tx, clock *idleClock, err error) error {
+	if ctx.Err() != nil || !tx.Conn().IsClosed() {
+		return nil
+	}
+	switch {
+	case err != nil && isCtxErr(err), clock.ctxEnded():
+		if err == nil {
+			return errOwnCtxSwallowed
+		}
+		return err
+	}
+	return nil
+}
+
+// dbAnswers reports whether the database answers a round trip (pgx's
+// Ping, an empty statement) on a connection of pool within bound.
+func dbAnswers(ctx context.Context, pool *pgxpool.Pool, bound time.Duration) bool {
+	ctx, cancel := context.WithTimeout(ctx, bound)
+	defer cancel()
+	return pool.Ping(ctx) == nil
 }

@@ -1030,7 +1030,7 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	return err
 }
 
-// idleByFunction resolves an *idleSuspect in err, the failure of serve,
+// idleByFunction resolves a *handlerSuspect in err, the failure of serve,
 // once serve has returned the request's connection to the pool (reading
 // the session's timeout must not wait for it): when the server ended the
 // session because the function held its transaction idle past
@@ -1043,7 +1043,7 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 // statements over a slow network, or the process froze in the runtime)
 // stays the storage failure it was.
 func (h *HTTP) idleByFunction(ctx context.Context, err error) error {
-	var s *idleSuspect
+	var s *handlerSuspect
 	if !errors.As(err, &s) {
 		return err
 	}

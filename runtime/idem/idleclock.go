@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -27,11 +28,18 @@ import (
 // (Exec, Query and its Rows, QueryRow, SendBatch and its results,
 // CopyFrom, Prepare, Begin, Commit, Rollback). Statements sent another way
 // (tx.Conn(), tx.LargeObjects()) count as idle time.
+//
+// It also notes whether a call failed with a context's error
+// (context.Canceled or context.DeadlineExceeded): with the runtime's own
+// context alive, a context of the handler's own ended that call, which
+// pgx's default context watcher does by closing the connection (see
+// ownCtxClosed).
 type idleClock struct {
 	mu      sync.Mutex
 	calls   int       // database calls in flight
 	since   time.Time // the start of the current idle stretch, when calls == 0
 	longest time.Duration
+	ctxErr  bool // a call failed with a context's error
 }
 
 // clockTx returns tx wrapped, with a new clock whose first idle stretch
@@ -65,6 +73,30 @@ func (c *idleClock) exit() {
 	c.mu.Unlock()
 }
 
+// failed notes err, the error a database call returned (nil: nothing).
+func (c *idleClock) failed(err error) {
+	if err == nil || !isCtxErr(err) {
+		return
+	}
+	c.mu.Lock()
+	c.ctxErr = true
+	c.mu.Unlock()
+}
+
+// ctxEnded reports whether a call failed with a context's error.
+func (c *idleClock) ctxEnded() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.ctxErr
+}
+
+// isCtxErr reports whether err is, or wraps, a context's error: how
+// pgconn reports a statement its context ended (context.Canceled as is, a
+// deadline as a timeout error wrapping context.DeadlineExceeded).
+func isCtxErr(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
+}
+
 // idle returns the longest idle stretch, the current one counted up to at
 // (the handler's return).
 func (c *idleClock) idle(at time.Time) time.Duration {
@@ -87,6 +119,7 @@ func (t *clockedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	t.clock.enter()
 	defer t.clock.exit()
 	tx, err := t.Tx.Begin(ctx)
+	t.clock.failed(err)
 	if err != nil {
 		return tx, err
 	}
@@ -96,19 +129,25 @@ func (t *clockedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 func (t *clockedTx) Commit(ctx context.Context) error {
 	t.clock.enter()
 	defer t.clock.exit()
-	return t.Tx.Commit(ctx)
+	err := t.Tx.Commit(ctx)
+	t.clock.failed(err)
+	return err
 }
 
 func (t *clockedTx) Rollback(ctx context.Context) error {
 	t.clock.enter()
 	defer t.clock.exit()
-	return t.Tx.Rollback(ctx)
+	err := t.Tx.Rollback(ctx)
+	t.clock.failed(err)
+	return err
 }
 
 func (t *clockedTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
 	t.clock.enter()
 	defer t.clock.exit()
-	return t.Tx.CopyFrom(ctx, table, columns, src)
+	n, err := t.Tx.CopyFrom(ctx, table, columns, src)
+	t.clock.failed(err)
+	return n, err
 }
 
 func (t *clockedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
@@ -120,19 +159,24 @@ func (t *clockedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 func (t *clockedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
 	t.clock.enter()
 	defer t.clock.exit()
-	return t.Tx.Prepare(ctx, name, sql)
+	sd, err := t.Tx.Prepare(ctx, name, sql)
+	t.clock.failed(err)
+	return sd, err
 }
 
 func (t *clockedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	t.clock.enter()
 	defer t.clock.exit()
-	return t.Tx.Exec(ctx, sql, args...)
+	tag, err := t.Tx.Exec(ctx, sql, args...)
+	t.clock.failed(err)
+	return tag, err
 }
 
 func (t *clockedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	t.clock.enter()
 	defer t.clock.exit()
 	rows, err := t.Tx.Query(ctx, sql, args...)
+	t.clock.failed(err)
 	if err != nil {
 		return rows, err
 	}
@@ -155,13 +199,18 @@ type clockedRows struct {
 func (r *clockedRows) Next() bool {
 	r.clock.enter()
 	defer r.clock.exit()
-	return r.Rows.Next()
+	if r.Rows.Next() {
+		return true
+	}
+	r.clock.failed(r.Rows.Err())
+	return false
 }
 
 func (r *clockedRows) Close() {
 	r.clock.enter()
 	defer r.clock.exit()
 	r.Rows.Close()
+	r.clock.failed(r.Rows.Err())
 }
 
 // clockedRow times QueryRow's Scan, which reads the answer.
@@ -173,7 +222,9 @@ type clockedRow struct {
 func (r *clockedRow) Scan(dest ...any) error {
 	r.clock.enter()
 	defer r.clock.exit()
-	return r.row.Scan(dest...)
+	err := r.row.Scan(dest...)
+	r.clock.failed(err)
+	return err
 }
 
 // clockedBatch times the reads of a batch's results.
@@ -185,13 +236,16 @@ type clockedBatch struct {
 func (b *clockedBatch) Exec() (pgconn.CommandTag, error) {
 	b.clock.enter()
 	defer b.clock.exit()
-	return b.BatchResults.Exec()
+	tag, err := b.BatchResults.Exec()
+	b.clock.failed(err)
+	return tag, err
 }
 
 func (b *clockedBatch) Query() (pgx.Rows, error) {
 	b.clock.enter()
 	defer b.clock.exit()
 	rows, err := b.BatchResults.Query()
+	b.clock.failed(err)
 	if err != nil {
 		return rows, err
 	}
@@ -207,5 +261,7 @@ func (b *clockedBatch) QueryRow() pgx.Row {
 func (b *clockedBatch) Close() error {
 	b.clock.enter()
 	defer b.clock.exit()
-	return b.BatchResults.Close()
+	err := b.BatchResults.Close()
+	b.clock.failed(err)
+	return err
 }
