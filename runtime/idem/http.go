@@ -365,7 +365,7 @@ func Handle[Req, Resp any](h *HTTP, ep Endpoint, fn func(context.Context, pgx.Tx
 		call := func(ctx context.Context, tx pgx.Tx) (any, error) { return fn(ctx, tx, req) }
 		out, err := h.serve(r.Context(), ep, in, call)
 		if err != nil {
-			err = h.idleByFunction(r.Context(), err)
+			err = h.functionCulprit(r.Context(), err)
 			w.(*statusRecorder).err = err
 			writeProblem(w, h.problemFor(r, ep, err))
 			return
@@ -569,6 +569,10 @@ var (
 	// whether it committed is unknown (503 saying so; the key makes the
 	// retry safe: it replays a committed response or runs the function).
 	errCommitUnknown = errors.New("commit outcome unknown")
+	// errConnClosedUnderFunction: the function returned success on a
+	// transaction whose connection is closed; no COMMIT was sent (503, or
+	// 500 when the function's own context closed it: functionCulprit).
+	errConnClosedUnderFunction = errors.New("the function returned on a transaction whose connection is closed: nothing was committed")
 )
 
 // serve runs one operation. With a key, in one transaction:
@@ -872,7 +876,19 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 	returned := time.Now()
 	idle := ftx.clock.idle(returned) // the function's longest idle stretch, monotonic
 	if err != nil {
-		return nil, suspectIdle(classifyFunctionError(ctx, tx, err), idle, 0)
+		cerr := classifyFunctionError(ctx, tx, err)
+		if errors.Is(cerr, errStorage) {
+			// A closed connection: the function's own context may have
+			// closed it (ownCtxCause), decided in functionCulprit.
+			return nil, suspect(cerr, idle, 0, ownCtxCause(ctx, tx, ftx.clock, err))
+		}
+		return nil, suspectIdle(cerr, idle, 0)
+	}
+	if cause := ownCtxCause(ctx, tx, ftx.clock, nil); cause != nil {
+		// Returned success on a connection its own context closed: the
+		// COMMIT would be sent nowhere, and its failure answered "Outcome
+		// unknown" although nothing was sent.
+		return nil, suspect(storageErr(ctx, "function's transaction", errConnClosedUnderFunction), idle, 0, cause)
 	}
 	out, err := h.commit(ctx, ep, in, tx, fresh, result, header)
 	if err != nil {
@@ -1030,32 +1046,56 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	return err
 }
 
-// idleByFunction resolves a *handlerSuspect in err, the failure of serve,
-// once serve has returned the request's connection to the pool (reading
-// the session's timeout must not wait for it): when the server ended the
-// session because the function held its transaction idle past
-// idle_in_transaction_session_timeout (the consumer's rule, idleCulprit),
-// a 500 saying so, never a 503 "storage unavailable; retry later" (a retry
-// idles again) nor "Outcome unknown" (25P03 ends an idle transaction, so
-// nothing committed). The transaction rolled back, the key's claim with it:
-// the key is free. Otherwise the error as it was: a session ended after a
-// function never idle that long itself (its time went into its own
-// statements over a slow network, or the process froze in the runtime)
-// stays the storage failure it was.
-func (h *HTTP) idleByFunction(ctx context.Context, err error) error {
+// functionCulprit resolves a *handlerSuspect in err, the failure of
+// serve, once serve has returned the request's connection to the pool
+// (reading the session's timeout, or checking that the database answers,
+// must not wait for it), by the consumer's rules (handlerCulprit):
+//
+//   - the server ended the session because the function held its
+//     transaction idle past idle_in_transaction_session_timeout
+//     (idleCulprit): a 500 saying so, never a 503 "storage unavailable;
+//     retry later" (a retry idles again) nor "Outcome unknown" (25P03 ends
+//     an idle transaction, so nothing committed);
+//   - a context of the function's own (a deadline or cancel it set) ended
+//     one of its statements, and pgx closed the connection to end it
+//     (ownCtxCause), while the database answers: a 500 saying so, never a
+//     503 "request cancelled" (the request was not) nor "storage
+//     unavailable" (a retry ends the same way). When the database does not
+//     answer, the function's deadline fired because of it: a 503 "storage
+//     unavailable; retry later".
+//
+// Either way the transaction rolled back, the key's claim with it: the key
+// is free. Otherwise the error as it was: a session ended after a function
+// never idle that long itself (its time went into its own statements over
+// a slow network, or the process froze in the runtime) stays the storage
+// failure it was.
+func (h *HTTP) functionCulprit(ctx context.Context, err error) error {
 	var s *handlerSuspect
 	if !errors.As(err, &s) {
 		return err
 	}
-	if s.idle < h.idle || ctx.Err() != nil {
+	if ctx.Err() != nil {
 		return s.err
 	}
-	ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound))
-	if ie == nil {
+	if pgCode(s.err) == idleEnded && s.idle >= h.idle {
+		if ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound)); ie != nil {
+			return &Error{Status: http.StatusInternalServerError, Title: "Transaction idle too long", Err: fmt.Errorf("function: %w", ie),
+				Detail: "the function kept its database transaction idle longer than the database allows (idle_in_transaction_session_timeout); the database ended it and nothing was done"}
+		}
+	}
+	if s.ownCtx == nil {
 		return s.err
 	}
-	return &Error{Status: http.StatusInternalServerError, Title: "Transaction idle too long", Err: fmt.Errorf("function: %w", ie),
-		Detail: "the function kept its database transaction idle longer than the database allows (idle_in_transaction_session_timeout); the database ended it and nothing was done"}
+	if dbAnswers(ctx, h.store.pool, idleReadBound) {
+		return &Error{Status: http.StatusInternalServerError, Title: "Statement ended by the function's own context", Err: fmt.Errorf("function: %w", &ownCtxError{err: s.ownCtx}),
+			Detail: "a context of the function's own (a deadline or cancellation it set, not the request's) ended one of its statements, which closed its database connection; the transaction rolled back and nothing was done"}
+	}
+	if ctx.Err() != nil {
+		return s.err
+	}
+	// Not as s.err, whose chain holds the function's context error: that
+	// reads as the request's cancellation (problemFor).
+	return fmt.Errorf("%w: the function's transaction: its connection closed, and the database does not answer: %s", errStorage, s.ownCtx)
 }
 
 // idleReadBound bounds the read of the session's
