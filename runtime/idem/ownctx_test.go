@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,16 +22,22 @@ import (
 // watcher (pgconn.DeadlineContextWatcherHandler) the context ending in
 // mid-statement closes the connection.
 func ownCtxStatement(ctx context.Context, tx pgx.Tx, cancelled bool) error {
+	return ownCtxExec(ctx, tx, cancelled, 50*time.Millisecond, `SELECT pg_sleep(1)`)
+}
+
+// ownCtxExec runs sql under a context of its own that ends after d: a
+// deadline, or a cancel when cancelled.
+func ownCtxExec(ctx context.Context, tx pgx.Tx, cancelled bool, d time.Duration, sql string) error {
 	var qctx context.Context
 	var cancel context.CancelFunc
 	if cancelled {
 		qctx, cancel = context.WithCancel(ctx)
-		time.AfterFunc(50*time.Millisecond, cancel)
+		time.AfterFunc(d, cancel)
 	} else {
-		qctx, cancel = context.WithTimeout(ctx, 50*time.Millisecond)
+		qctx, cancel = context.WithTimeout(ctx, d)
 	}
 	defer cancel()
-	_, err := tx.Exec(qctx, `SELECT pg_sleep(1)`)
+	_, err := tx.Exec(qctx, sql)
 	return err
 }
 
@@ -186,6 +194,165 @@ func TestHandlerErrorWithOpenConnUnchanged(t *testing.T) {
 			attempts, last := lastDeadLetter(t, pool)
 			if attempts != 2 || last != c.want {
 				t.Fatalf("dead letter: %d attempts, last error %q; want 2 and %q", attempts, last, c.want)
+			}
+		})
+	}
+}
+
+// quickOwnCtxHandlers are handlers that bound a quick statement with a
+// context of their own (200ms, a deadline or a cancel), reporting its
+// failure as ownCtxHandlers do: on a healthy database they succeed.
+var quickOwnCtxHandlers = map[string]func(ctx context.Context, tx pgx.Tx) error{
+	"deadline": func(ctx context.Context, tx pgx.Tx) error {
+		return ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT 1`)
+	},
+	"cancel": func(ctx context.Context, tx pgx.Tx) error {
+		return ownCtxExec(ctx, tx, true, 200*time.Millisecond, `SELECT 1`)
+	},
+	"deadline, chain lost": func(ctx context.Context, tx pgx.Tx) error {
+		if err := ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT 1`); err != nil {
+			return fmt.Errorf("quick query: %v", err)
+		}
+		return nil
+	},
+	"deadline, error swallowed": func(ctx context.Context, tx pgx.Tx) error {
+		_ = ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT 1`) //idemvet:ignore swallowcancel the mistake this test makes on purpose
+		return nil
+	},
+}
+
+// The fault under the fault: the handler's own deadline (or cancel) ends
+// its statement because the database does not answer (a network
+// partition), not because of the statement. That is an outage: no attempt
+// used (a budget of one would dead-letter the record at once), the record
+// waits and is applied once the database is back.
+func TestHandlerOwnContextWhileDatabaseBlackholedIsNoAttempt(t *testing.T) {
+	t.Parallel()
+	for name, fn := range quickOwnCtxHandlers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			direct, proxied, px := slowNetworkDB(t)
+			if err := idem.Migrate(context.Background(), direct); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+			var logs lockedBuffer
+			p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+				Retry:          idem.RetryPolicy{MaxAttempts: 1},
+				Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+				StorageTimeout: 300 * time.Millisecond,
+				Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+			})
+			var calls atomic.Int64
+			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+				if err := insertEffect(ctx, tx, e); err != nil {
+					return err
+				}
+				if calls.Add(1) == 1 {
+					px.Blackhole() // the network partitions now, for 1.5s
+					time.AfterFunc(1500*time.Millisecond, px.Restore)
+				}
+				return fn(ctx, tx)
+			})
+			o, err := processWithin(p, &h, idleRecord("blackholed"), 20*time.Second)
+			if err != nil || o != idem.Applied {
+				t.Fatalf("Process: %v, %v after %d calls; want applied once the database is back (logs:\n%s)", o, err, calls.Load(), logs.String())
+			}
+			if n := calls.Load(); n < 2 {
+				t.Fatalf("the handler ran %d times; the partition did not end the first attempt, the test tests nothing", n)
+			}
+			if l := logs.String(); !strings.Contains(l, "storage unavailable; waiting, no attempt used") || strings.Contains(l, "handler failed") {
+				t.Fatalf("the first attempt was not waited out as an outage; logs:\n%s", l)
+			}
+			if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+				t.Fatalf("%d dead letters, want 0", n)
+			}
+			if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 1 {
+				t.Fatalf("%d effects, want 1", n)
+			}
+		})
+	}
+}
+
+// The HTTP side: a function whose own context ends its statement (pgx
+// closes the connection) was answered 503 "request cancelled; nothing was
+// done" (the request was not cancelled, and a retry ends the same way) or,
+// when it swallowed the error, "Outcome unknown" (no COMMIT was sent). It
+// is a 500 saying what happened, without Retry-After; nothing is stored,
+// the key is free: the retry runs the function (now quick) once.
+func TestFunctionOwnContextClosingConnIs500(t *testing.T) {
+	t.Parallel()
+	for name, fn := range ownCtxHandlers {
+		t.Run(name, func(t *testing.T) {
+			e := newEnv(t)
+			logs := &lockedBuffer{}
+			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+			var slow atomic.Bool
+			slow.Store(true)
+			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+				if slow.Load() {
+					return fn(ctx, tx)
+				}
+				return nil
+			}
+			h := e.handler(idem.Endpoint{})
+			r := do(h, "k-own-ctx", body1)
+			wantProblem(t, r, http.StatusInternalServerError)
+			if !strings.Contains(string(r.body), "Statement ended by the function's own context") || r.header.Get("Retry-After") != "" {
+				t.Fatalf("%d %s (Retry-After %q); want a 500 naming the function's own context, without Retry-After", r.status, r.body, r.header.Get("Retry-After"))
+			}
+			if strings.Contains(logs.String(), "storage") {
+				t.Fatalf("logged as a storage failure:\n%s", logs)
+			}
+			if e.effects() != 0 || e.keys() != 0 {
+				t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
+			}
+			slow.Store(false)
+			r = do(h, "k-own-ctx", body1)
+			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
+				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
+			}
+			if e.calls.Load() != 2 || e.effects() != 1 {
+				t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
+			}
+		})
+	}
+}
+
+// The HTTP fault under the fault: the function's own deadline ends its
+// statement because the database does not answer. A 503 "storage
+// unavailable; retry later" (nothing was done), not the function's 500;
+// the retry once the database is back runs the function once.
+func TestFunctionOwnContextWhileDatabaseBlackholedIs503(t *testing.T) {
+	t.Parallel()
+	for name, fn := range quickOwnCtxHandlers {
+		t.Run(name, func(t *testing.T) {
+			direct, proxied, px := slowNetworkDB(t)
+			e := newEnvPool(t, proxied)
+			var blackhole atomic.Bool
+			blackhole.Store(true)
+			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+				if blackhole.CompareAndSwap(true, false) {
+					px.Blackhole()
+				}
+				return fn(ctx, tx)
+			}
+			h := e.handler(idem.Endpoint{})
+			r := do(h, "k-blackholed", body1)
+			px.Restore()
+			wantProblem(t, r, http.StatusServiceUnavailable)
+			if !strings.Contains(string(r.body), "storage unavailable") || r.header.Get("Retry-After") == "" {
+				t.Fatalf("%d %s (Retry-After %q); want a 503 storage unavailable with Retry-After", r.status, r.body, r.header.Get("Retry-After"))
+			}
+			if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`) + pgtest.Count(t, direct, `SELECT count(*) FROM idem_keys`); n != 0 {
+				t.Fatalf("%d effects and keys, want 0", n)
+			}
+			r = do(h, "k-blackholed", body1)
+			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
+				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
+			}
+			if e.calls.Load() != 2 || pgtest.Count(t, direct, `SELECT count(*) FROM effects`) != 1 {
+				t.Fatalf("retry: %d calls, want 2, and one effect", e.calls.Load())
 			}
 		})
 	}
