@@ -30,7 +30,9 @@ import (
 //
 // The database ending an attempt because of the handler itself (its
 // statement hits statement_timeout, it idles past
-// idle_in_transaction_session_timeout) is the record's: see handlerCulprit.
+// idle_in_transaction_session_timeout), or a context of the handler's own
+// ending its statement by closing the connection while the database
+// answers, is the record's: see handlerCulprit and ownCtxError.
 //
 // Mixing them either dead-letters good records during a database blip, or
 // retries a poison record forever.
@@ -65,8 +67,10 @@ func (e *panicError) Error() string { return fmt.Sprintf("panic in %s: %v", e.wh
 
 // handlerFailure classifies the error a handler returned on tx; ctx is the
 // runtime's. A session the server ended (25P03 included) is an outage
-// here, on a closed connection; whether the handler idled it away is
-// decided after (idleSuspect).
+// here, on a closed connection, and so is a connection the handler's own
+// context closed; whether the handler idled it away, or its context ended
+// a statement the database would have answered, is decided after
+// (handlerSuspect, handlerCulprit).
 func handlerFailure(ctx context.Context, tx pgx.Tx, err error) error {
 	var pe *panicError
 	if errors.As(err, &pe) {
@@ -74,7 +78,9 @@ func handlerFailure(ctx context.Context, tx pgx.Tx, err error) error {
 	}
 	// A dead connection means the database went away under the handler
 	// (pgconn closes the connection on any network failure); whatever the
-	// handler made of that error, the record is not at fault.
+	// handler made of that error, the record is not at fault. Unless the
+	// handler's own context closed it (pgconn's default context watcher):
+	// the caller asks ownCtxCause.
 	if tx.Conn().IsClosed() {
 		return &outageError{err: err}
 	}
