@@ -706,17 +706,19 @@ var errConnClosedUnderHandler = errors.New("the handler returned on a transactio
 // the runtime's context ctx ended, tx's connection is open, or neither err
 // nor a call clock saw holds a context's error.
 func ownCtxCause(ctx context.Context, tx pgx.Tx, clock *idleClock, err error) error {
-	if ctx.Err() != nil || !tx.Conn().IsClosed() {
+	if !ownCtxClosed(ctx, tx, clock, err) {
 		return nil
 	}
-	switch {
-	case err != nil && isCtxErr(err), clock.ctxEnded():
-		if err == nil {
-			return errOwnCtxSwallowed
-		}
-		return err
+	if err == nil {
+		return errOwnCtxSwallowed
 	}
-	return nil
+	return err
+}
+
+// ownCtxClosed reports whether the runtime's context ctx is alive, tx's
+// connection closed, and err or a call clock saw holds a context's error.
+func ownCtxClosed(ctx context.Context, tx pgx.Tx, clock *idleClock, err error) bool {
+	return ctx.Err() == nil && tx.Conn().IsClosed() && ((err != nil && isCtxErr(err)) || clock.ctxEnded())
 }
 
 // dbAnswers reports whether the database answers a round trip (pgx's
