@@ -17,8 +17,9 @@ import (
 
 // A handler that fails the same way on every attempt through the database
 // — it holds its transaction idle past idle_in_transaction_session_timeout
-// (the server ends the session, 25P03), or its statement hits
-// statement_timeout (57014) — was waited out as a storage outage forever:
+// (the server ends the session, 25P03), its statement hits
+// statement_timeout (57014), or a deadline of its own ends its statement
+// (pgx closes the connection) — was waited out as a storage outage forever:
 // its partition never moved again, and since a poll ends only when every
 // partition of it is done, no partition of the consumer was fetched again
 // either; the log said "storage unavailable". Through the real consumer on
@@ -45,6 +46,17 @@ func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
 				return err
 			},
 			want: "statement_timeout",
+		},
+		// pgx's default context watcher ends the statement by closing
+		// the connection, which read as the database going away.
+		"the handler's own deadline": {
+			fn: func(ctx context.Context, tx pgx.Tx) error {
+				qctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+				defer cancel()
+				_, err := tx.Exec(qctx, `SELECT pg_sleep(1)`)
+				return err
+			},
+			want: "the handler's own context",
 		},
 	}
 	for name, c := range culprits {
