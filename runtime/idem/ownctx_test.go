@@ -283,39 +283,49 @@ func TestHandlerOwnContextWhileDatabaseBlackholedIsNoAttempt(t *testing.T) {
 func TestFunctionOwnContextClosingConnIs500(t *testing.T) {
 	t.Parallel()
 	for name, fn := range ownCtxHandlers {
-		t.Run(name, func(t *testing.T) {
-			e := newEnv(t)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			var slow atomic.Bool
-			slow.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if slow.Load() {
-					return fn(ctx, tx)
-				}
-				return nil
-			}
-			h := e.handler(idem.Endpoint{})
-			r := do(h, "k-own-ctx", body1)
-			wantProblem(t, r, http.StatusInternalServerError)
-			if !strings.Contains(string(r.body), "Statement ended by the function's own context") || r.header.Get("Retry-After") != "" {
-				t.Fatalf("%d %s (Retry-After %q); want a 500 naming the function's own context, without Retry-After", r.status, r.body, r.header.Get("Retry-After"))
-			}
-			if strings.Contains(logs.String(), "storage") {
-				t.Fatalf("logged as a storage failure:\n%s", logs)
-			}
-			if e.effects() != 0 || e.keys() != 0 {
-				t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
-			}
-			slow.Store(false)
-			r = do(h, "k-own-ctx", body1)
-			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-			}
-			if e.calls.Load() != 2 || e.effects() != 1 {
-				t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
-			}
-		})
+		for _, keyed := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/keyed=%v", name, keyed), func(t *testing.T) {
+				testFunctionOwnContextClosingConnIs500(t, fn, keyed)
+			})
+		}
+	}
+}
+
+func testFunctionOwnContextClosingConnIs500(t *testing.T, fn func(context.Context, pgx.Tx) error, keyed bool) {
+	e := newEnv(t)
+	logs := &lockedBuffer{}
+	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	var slow atomic.Bool
+	slow.Store(true)
+	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+		if slow.Load() {
+			return fn(ctx, tx)
+		}
+		return nil
+	}
+	h := e.handler(idem.Endpoint{KeyOptional: !keyed})
+	key := ""
+	if keyed {
+		key = "k-own-ctx"
+	}
+	r := do(h, key, body1)
+	wantProblem(t, r, http.StatusInternalServerError)
+	if !strings.Contains(string(r.body), "Statement ended by the function's own context") || r.header.Get("Retry-After") != "" {
+		t.Fatalf("%d %s (Retry-After %q); want a 500 naming the function's own context, without Retry-After", r.status, r.body, r.header.Get("Retry-After"))
+	}
+	if strings.Contains(logs.String(), "storage") {
+		t.Fatalf("logged as a storage failure:\n%s", logs)
+	}
+	if e.effects() != 0 || e.keys() != 0 {
+		t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
+	}
+	slow.Store(false)
+	r = do(h, key, body1)
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
+		t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
+	}
+	if e.calls.Load() != 2 || e.effects() != 1 {
+		t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
 	}
 }
 
