@@ -639,7 +639,7 @@ func (c *cli) deadLettersReplay(args []string) error {
 func keyFlags(fs *flag.FlagSet) *admin.KeyRef {
 	var k admin.KeyRef
 	fs.StringVar(&k.Scope, "scope", "", "the endpoint's scope (see the generated Endpoint.Scope)")
-	fs.StringVar(&k.Principal, "principal", "", "the caller (tenant, API key); \"\" for services with one principal")
+	fs.StringVar(&k.Principal, "principal", "", "the caller (tenant, API key) as the service's Principal function returns it; \"\" for services with one principal")
 	fs.StringVar(&k.Key, "key", "", "the Idempotency-Key")
 	return &k
 }
@@ -658,8 +658,12 @@ func (c *cli) printKey(k admin.KeyInfo) {
 	if k.Expired {
 		state = "expired (the next request with it runs anew)"
 	}
+	principal := escape([]byte(k.Principal))
+	if k.StoredPrincipal != k.Principal {
+		principal += " (stored as " + escape([]byte(k.StoredPrincipal)) + ")"
+	}
 	c.printf("scope:       %s\nprincipal:   %s\nkey:         %s\nstate:       %s\nstatus:      %d\ncreated:     %s\nexpires:     %s\nfingerprint: %x\nheaders:     %s\nbody:        %s\n",
-		escape([]byte(k.Scope)), escape([]byte(k.Principal)), escape([]byte(k.Key)), state, k.StatusCode,
+		escape([]byte(k.Scope)), principal, escape([]byte(k.Key)), state, k.StatusCode,
 		k.CreatedAt.UTC().Format(time.RFC3339), k.ExpiresAt.UTC().Format(time.RFC3339), k.Fingerprint,
 		escape(k.Headers), escape(k.Body))
 }

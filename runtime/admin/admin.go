@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/internal/db"
+	"github.com/idemgen/idemgen/runtime/internal/principal"
 )
 
 // ErrNotFound: no such row (key, dead letter).
@@ -385,9 +386,18 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 }
 
 // KeyRef names an idempotency key: keys are scoped per endpoint (Scope) and
-// per caller (Principal), and an operator must name both.
+// per caller (Principal), and an operator must name both. Principal is the
+// caller as the service's HTTPConfig.Principal returned it; Key and
+// ReleaseKey look it up in its stored form, as the runtime wrote it (a
+// principal over idem.MaxPrincipalLength bytes, say, is stored hashed).
 type KeyRef struct {
 	Scope, Principal, Key string
+}
+
+// stored is the row identity of k in idem_keys.
+func (k KeyRef) stored() KeyRef {
+	k.Principal = principal.Stored(k.Principal)
+	return k
 }
 
 func (k KeyRef) String() string {
@@ -406,6 +416,9 @@ type KeyInfo struct {
 	// Expired: the key is no longer replayed; the next request with it runs
 	// anew.
 	Expired bool
+	// StoredPrincipal is the principal as idem_keys holds it: Principal
+	// itself, or its hashed form.
+	StoredPrincipal string
 }
 
 // Key returns the key named ref. It returns ErrNotFound if there is no
@@ -414,13 +427,14 @@ type KeyInfo struct {
 // right now.
 func (a *Admin) Key(ctx context.Context, ref KeyRef) (KeyInfo, error) {
 	var info KeyInfo
+	st := ref.stored()
 	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
-		r, err := db.New(tx).AdminGetKey(ctx, db.AdminGetKeyParams{Scope: ref.Scope, Principal: ref.Principal, Key: ref.Key})
+		r, err := db.New(tx).AdminGetKey(ctx, db.AdminGetKeyParams{Scope: st.Scope, Principal: st.Principal, Key: st.Key})
 		if err != nil {
 			return err
 		}
 		info = KeyInfo{KeyRef: ref, Fingerprint: r.Fingerprint, StatusCode: r.StatusCode, Headers: r.Headers, Body: r.Body,
-			CreatedAt: r.CreatedAt.Time, ExpiresAt: r.ExpiresAt.Time, Expired: r.Expired}
+			CreatedAt: r.CreatedAt.Time, ExpiresAt: r.ExpiresAt.Time, Expired: r.Expired, StoredPrincipal: r.Principal}
 		return nil
 	})
 	if err != nil {
@@ -436,7 +450,8 @@ func (a *Admin) Key(ctx context.Context, ref KeyRef) (KeyInfo, error) {
 func (a *Admin) ReleaseKey(ctx context.Context, ref KeyRef) error {
 	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
 		q := db.New(tx)
-		p := db.LockKeyNowaitParams{Scope: ref.Scope, Principal: ref.Principal, Key: ref.Key}
+		st := ref.stored()
+		p := db.LockKeyNowaitParams{Scope: st.Scope, Principal: st.Principal, Key: st.Key}
 		if _, err := q.LockKeyNowait(ctx, p); err != nil {
 			return err
 		}

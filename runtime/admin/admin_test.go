@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -222,3 +224,51 @@ func (f tracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQue
 	return ctx
 }
 func (f tracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestKeyByServicePrincipal: an operator names a key by the principal the
+// service saw. One the runtime stores hashed (over 255 bytes, invalid UTF-8,
+// or starting with "idem-sha256:") was not found by keys show, and keys
+// release said "nothing to release" and left it replaying.
+func TestKeyByServicePrincipal(t *testing.T) {
+	pool := migrated(t, nil)
+	ctx := context.Background()
+	for _, principal := range []string{
+		"tenant-a",
+		"CN=" + strings.Repeat("very-long-distinguished-name,", 12), // 351 bytes
+		"idem-sha256:impostor",
+		"tenant-\xff",
+	} {
+		h, err := idem.NewHTTP(idem.NewStore(pool), idem.HTTPConfig{
+			Principal: func(*http.Request) (string, error) { return principal, nil },
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		handler := idem.Handle(h, idem.Endpoint{Scope: "admin.principal.v1"}, func(ctx context.Context, tx pgx.Tx, req struct{}) (struct{ OK bool }, error) {
+			return struct{ OK bool }{true}, nil
+		})
+		r := httptest.NewRequest(http.MethodPost, "/", strings.NewReader("{}"))
+		r.Header.Set("Content-Type", "application/json")
+		r.Header.Set("Idempotency-Key", "k1")
+		w := httptest.NewRecorder()
+		handler.ServeHTTP(w, r)
+		if w.Code != http.StatusOK {
+			t.Fatalf("principal %q: status %d: %s", principal, w.Code, w.Body)
+		}
+		a := admin.New(pool)
+		ref := admin.KeyRef{Scope: "admin.principal.v1", Principal: principal, Key: "k1"}
+		info, err := a.Key(ctx, ref)
+		if err != nil {
+			t.Fatalf("principal %q: Key: %v", principal, err)
+		}
+		if info.Principal != principal {
+			t.Errorf("principal %q: KeyInfo.Principal = %q", principal, info.Principal)
+		}
+		if err := a.ReleaseKey(ctx, ref); err != nil {
+			t.Fatalf("principal %q: ReleaseKey: %v", principal, err)
+		}
+		if _, err := a.Key(ctx, ref); !errors.Is(err, admin.ErrNotFound) {
+			t.Errorf("principal %q: after release, Key = %v, want ErrNotFound", principal, err)
+		}
+	}
+}

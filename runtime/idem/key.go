@@ -9,7 +9,8 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
-	"unicode/utf8"
+
+	"github.com/idemgen/idemgen/runtime/internal/principal"
 )
 
 // Key identifies one idempotent operation: the scope (by default the wrapped
@@ -46,22 +47,15 @@ func hashParts(parts ...string) [sha256.Size]byte {
 // MaxPrincipalLength is the longest principal stored as it is, in bytes.
 // Longer principals, principals that are not valid UTF-8 or hold a NUL byte
 // (PostgreSQL's text cannot store one), and principals that begin with
-// hashedPrincipalPrefix are stored as hashedPrincipalPrefix followed by the
+// "idem-sha256:" are stored as "idem-sha256:" followed by the
 // hex SHA-256 of the principal: every principal has a valid, bounded storage
 // form, and no principal stored as it is can equal another's hashed form.
-const MaxPrincipalLength = 255
+const MaxPrincipalLength = principal.MaxLength
 
-const hashedPrincipalPrefix = "idem-sha256:"
-
-// storedPrincipal is the form of p in idem_keys.principal.
-func storedPrincipal(p string) string {
-	if len(p) <= MaxPrincipalLength && utf8.ValidString(p) && !strings.ContainsRune(p, 0) &&
-		!strings.HasPrefix(p, hashedPrincipalPrefix) {
-		return p
-	}
-	sum := sha256.Sum256([]byte(p))
-	return hashedPrincipalPrefix + hex.EncodeToString(sum[:])
-}
+// storedPrincipal is the form of p in idem_keys.principal (shared with
+// runtime/admin, which must find the row an operator names by the
+// principal the service saw).
+func storedPrincipal(p string) string { return principal.Stored(p) }
 
 // storageKey is the row identity of k: its principal in stored form.
 func (k Key) storageKey() Key {
