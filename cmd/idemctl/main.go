@@ -19,9 +19,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -594,9 +596,9 @@ func (c *cli) deadLettersReplay(args []string) error {
 			d.ID, escape([]byte(d.Topic)), escape(d.Key), len(d.Headers), len(d.Value))
 		return nil
 	}
-	brokers := os.Getenv("KAFKA_BROKERS")
-	if brokers == "" {
-		return usageError("replay produces to Kafka: set KAFKA_BROKERS")
+	brokers, err := seedBrokers(os.Getenv("KAFKA_BROKERS"))
+	if err != nil {
+		return err
 	}
 	// AllowIdempotentProduceCancellation: kgo's idempotent producer would
 	// otherwise not fail a record whose produce request it sent when its
@@ -605,8 +607,13 @@ func (c *cli) deadLettersReplay(args []string) error {
 	// with the dead letter's row locked. Giving up is safe here: the mark
 	// rolls back, and if the broker did write the record, a second replay
 	// produces a copy that consumers drop by its event id.
-	cl, err := kgo.NewClient(kgo.SeedBrokers(strings.Split(brokers, ",")...), kgo.ProducerLinger(0),
-		kgo.AllowIdempotentProduceCancellation())
+	//
+	// The client retries a broker it cannot reach until the timeout, and
+	// says only "context deadline exceeded": the last connection error is
+	// kept to say why there was no ack (refused, unknown host, TLS).
+	var dialErr lastDialError
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ProducerLinger(0),
+		kgo.AllowIdempotentProduceCancellation(), kgo.WithHooks(&dialErr))
 	if err != nil {
 		return fmt.Errorf("kafka client: %w", err)
 	}
@@ -623,6 +630,9 @@ func (c *cli) deadLettersReplay(args []string) error {
 	}
 	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
 	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() {
+		if derr := dialErr.get(); derr != nil {
+			return fmt.Errorf("no ack from KAFKA_BROKERS within --timeout %v (last connection error: %v); dead letter %d stays unreplayed: %w", *timeout, derr, *id, err)
+		}
 		return fmt.Errorf("no ack from KAFKA_BROKERS within --timeout %v; dead letter %d stays unreplayed: %w", *timeout, *id, err)
 	}
 	if err != nil {
@@ -634,6 +644,46 @@ func (c *cli) deadLettersReplay(args []string) error {
 	}
 	c.printf("replayed dead letter %d: produced and acked, then marked replayed\n", *id)
 	return nil
+}
+
+// seedBrokers splits KAFKA_BROKERS: "host:port,host:port", spaces around
+// the commas allowed. kgo takes each entry verbatim, so " b:9092" (after
+// "a:9092, ") was a host name with a leading space that never resolved,
+// and an empty entry (a trailing comma) dialed localhost:9092.
+func seedBrokers(v string) ([]string, error) {
+	if strings.TrimSpace(v) == "" {
+		return nil, usageError("replay produces to Kafka: set KAFKA_BROKERS")
+	}
+	var seeds []string
+	for _, s := range strings.Split(v, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			return nil, usageError(fmt.Sprintf("KAFKA_BROKERS=%q has an empty broker address; want host:port[,host:port...]", v))
+		}
+		seeds = append(seeds, s)
+	}
+	return seeds, nil
+}
+
+// lastDialError is a kgo hook that keeps the last failed broker connection.
+type lastDialError struct {
+	mu  sync.Mutex
+	err error
+}
+
+// OnBrokerConnect implements kgo.HookBrokerConnect.
+func (h *lastDialError) OnBrokerConnect(_ kgo.BrokerMetadata, _ time.Duration, _ net.Conn, err error) {
+	if err != nil {
+		h.mu.Lock()
+		h.err = err
+		h.mu.Unlock()
+	}
+}
+
+func (h *lastDialError) get() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.err
 }
 
 func keyFlags(fs *flag.FlagSet) *admin.KeyRef {
