@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 	"unicode"
+	"unicode/utf8"
 )
 
 // directivePrefix starts every idemgen directive. Like //go:generate, there is
@@ -65,7 +66,7 @@ var kinds = map[string]kindSpec{
 			"status": validStatus,
 			"ttl":    validPositiveDuration,
 			"header": validHeaderName,
-			"scope":  validNonEmpty,
+			"scope":  validStoredText,
 			"wait":   validNonNegativeDuration,
 			"key":    oneOf("required", "optional"),
 			"ignore": validIgnore,
@@ -75,8 +76,8 @@ var kinds = map[string]kindSpec{
 	"consume": {
 		target: targetFunc,
 		options: map[string]func(string) error{
-			"topic":   validNonEmpty,
-			"context": validNonEmpty,
+			"topic":   validTopic,
+			"context": validStoredText,
 			"id":      validIdent,
 			"decode":  validFuncName,
 		},
@@ -86,7 +87,7 @@ var kinds = map[string]kindSpec{
 	"outbox": {
 		target: targetType,
 		options: map[string]func(string) error{
-			"topic": validNonEmpty,
+			"topic": validTopic,
 			"key":   validIdent,
 		},
 		required: []string{"topic"},
@@ -99,6 +100,7 @@ var kinds = map[string]kindSpec{
 // found, each at the column of the offending part.
 func parseDirective(text string, pos token.Position) (*Directive, []*Error) {
 	var errs []*Error
+	invalid := map[string]bool{} // options given with a value that failed validation
 	at := func(off int) token.Position {
 		p := pos
 		p.Column += off
@@ -180,13 +182,15 @@ func parseDirective(text string, pos token.Position) (*Directive, []*Error) {
 		default:
 			if err := validate(value); err != nil {
 				fail(valStart, "option %s of //idem:%s: %v", name, kind, err)
+				invalid[name] = true
 				continue
 			}
 			d.Options = append(d.Options, Option{Name: name, Value: value, Pos: at(nameStart)})
 		}
 	}
 	for _, r := range spec.required {
-		if !hasOption(d, r) {
+		// A required option given with a bad value has its own error.
+		if !hasOption(d, r) && !invalid[r] {
 			fail(0, "//idem:%s needs option %s=...", kind, r)
 		}
 	}
@@ -251,6 +255,42 @@ func editDistance(a, b string) int {
 func validNonEmpty(v string) error {
 	if strings.TrimSpace(v) == "" {
 		return fmt.Errorf("must not be empty")
+	}
+	return nil
+}
+
+// validStoredText checks a value the runtime stores in a PostgreSQL text
+// column (a scope in idem_keys, a context in idem_processed_events): one it
+// cannot store ("a\x00b", "\xff") passed, and every request of the
+// endpoint failed, or every record of the consumer became a dead letter.
+func validStoredText(v string) error {
+	if err := validNonEmpty(v); err != nil {
+		return err
+	}
+	if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
+		return fmt.Errorf("%q: PostgreSQL's text cannot store it (a NUL byte or invalid UTF-8)", v)
+	}
+	return nil
+}
+
+// validTopic checks a Kafka topic name as brokers do (Kafka's
+// Topic.validate): 1 to 249 of [a-zA-Z0-9._-], not "." or "..". A
+// topic the broker refuses passed, and the relay parked every event of
+// the outbox type, or the consumer never received one.
+func validTopic(v string) error {
+	if err := validNonEmpty(v); err != nil {
+		return err
+	}
+	if v == "." || v == ".." {
+		return fmt.Errorf("%q is not a valid Kafka topic name", v)
+	}
+	if len(v) > 249 {
+		return fmt.Errorf("Kafka topic names are at most 249 characters; this one has %d", len(v))
+	}
+	for _, r := range v {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+			return fmt.Errorf("%q: Kafka topic names hold only ASCII letters, digits, '.', '_' and '-'", v)
+		}
 	}
 	return nil
 }
