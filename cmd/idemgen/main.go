@@ -119,7 +119,7 @@ func write(files []generator.File) error {
 			if err := os.Remove(f.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 				return err
 			}
-		case err == nil && bytes.Equal(old, f.Content):
+		case err == nil && sameContent(old, f.Content):
 		default:
 			// Write to a temporary file and rename, so an interrupted run
 			// never leaves a half-written file behind.
@@ -161,7 +161,7 @@ func compare(files []generator.File, printDiff bool, stdout, stderr io.Writer) i
 			fmt.Fprintln(stderr, "idemgen:", err)
 			return exitError
 		}
-		if bytes.Equal(old, f.Content) && (f.Content != nil) == !missing {
+		if sameContent(old, f.Content) && (f.Content != nil) == !missing {
 			continue
 		}
 		code = exitDiffers
@@ -187,6 +187,18 @@ func compare(files []generator.File, printDiff bool, stdout, stderr io.Writer) i
 		}
 	}
 	return code
+}
+
+// sameContent reports whether a generated file on disk, old, is the file
+// idemgen would write, gen: byte for byte, or with CRLF line endings (a
+// checkout with git's core.autocrlf, the default on Windows runners, has
+// them). The compiler reads both alike; check called such a tree out of
+// date and diff showed every line changed.
+func sameContent(old, gen []byte) bool {
+	if bytes.Equal(old, gen) {
+		return true
+	}
+	return gen != nil && bytes.Contains(old, []byte("\r\n")) && bytes.Equal(bytes.ReplaceAll(old, []byte("\r\n"), []byte("\n")), gen)
 }
 
 func relPath(path string) string {

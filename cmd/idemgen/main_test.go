@@ -72,8 +72,20 @@ func TestScripts(t *testing.T) {
 		},
 		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){
 			"idem": cmdIdem,
+			"crlf": cmdCRLF,
 		},
 	})
+}
+
+// cmdCRLF runs "crlf FILE": rewrites FILE with CRLF line endings, as a git
+// checkout with core.autocrlf does.
+func cmdCRLF(ts *testscript.TestScript, neg bool, args []string) {
+	if neg || len(args) != 1 {
+		ts.Fatalf("usage: crlf FILE")
+	}
+	b, err := os.ReadFile(ts.MkAbs(args[0]))
+	ts.Check(err)
+	ts.Check(os.WriteFile(ts.MkAbs(args[0]), bytes.ReplaceAll(b, []byte("\n"), []byte("\r\n")), 0o644))
 }
 
 // cmdIdem runs "idem CODE ARGS..." : the idemgen binary with ARGS, failing
