@@ -19,6 +19,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"strconv"
@@ -201,6 +202,9 @@ func (c *cli) admin() (*admin.Admin, error) {
 	}
 	c.host = fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port)
 	c.deadline = c.timeout + c.extra
+	if c.deadline < c.timeout { // IDEMCTL_TIMEOUT=2562047h plus --timeout 1h wrapped around: "gave up after -1h34m" at once
+		c.deadline = math.MaxInt64
+	}
 	c.ctx, c.cancel = context.WithTimeout(c.ctx, c.deadline)
 	pool, err := pgxpool.NewWithConfig(c.ctx, cfg)
 	if err != nil {
@@ -325,7 +329,8 @@ func pageFlags(limit int, after int64) error {
 // showed and how to get the next page: with 10,000 parked rows an operator
 // sees the total and a page, never a flood nor a silently cut list.
 func (c *cli) printPage(shown int, total, after int64, limit int, id func(int) int64) {
-	if after == 0 && int64(shown) >= total {
+	if after == 0 && int64(shown) >= total || limit == 0 {
+		// --limit 0 asks for the count alone (it said "none with an id above 0").
 		return
 	}
 	if shown == 0 {
@@ -360,6 +365,9 @@ func (c *cli) outboxRequeue(args []string) error {
 	}
 	if (*all && (*id != 0 || *topic != "")) || (*id != 0 && *topic != "") {
 		return usageError("choose one of --all, --id N and --topic T")
+	}
+	if *id < 0 {
+		return usageError("--id must be positive")
 	}
 	a, err := c.admin()
 	if err != nil {
