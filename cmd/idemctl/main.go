@@ -68,8 +68,8 @@ Environment:
                    its search_path selects the schema with idemgen's tables
   KAFKA_BROKERS    comma-separated seed brokers, for deadletters replay
   IDEMCTL_TIMEOUT  how long a command may wait for the database (default 1m; replay
-                   adds its --timeout): a database that never answers is an error
-                   (exit 2), not a hang
+                   adds its --timeout; purge --yes: each batch): a database that
+                   never answers is an error (exit 2), not a hang
 
 Without --yes a mutating command only prints what it would do (a dry run).
 Exit status: 0 done or dry run, 1 refused or not found, 2 usage or error.
@@ -131,7 +131,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		timeout = d
 	}
-	c := &cli{out: stdout, ctx: ctx, timeout: timeout}
+	c := &cli{out: stdout, ctx: ctx, base: ctx, timeout: timeout}
 	cmds := map[string]func([]string) error{
 		"outbox status":       c.outboxStatus,
 		"outbox parked":       c.outboxParked,
@@ -177,9 +177,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 type cli struct {
-	ctx  context.Context
-	out  io.Writer
-	pool *pgxpool.Pool
+	// ctx is the command's context: base (cancelled by SIGINT) under the
+	// command's deadline once admin() ran.
+	ctx, base context.Context
+	// batchTimedOut: one batch of a purge, bounded on its own, timed out.
+	batchTimedOut bool
+	out           io.Writer
+	pool          *pgxpool.Pool
 	// timeout bounds the command's database work (IDEMCTL_TIMEOUT); extra
 	// is added to it by commands that also wait on something else (replay's
 	// broker ack). deadline is the bound in force once admin() ran.
@@ -217,7 +221,7 @@ func (c *cli) admin() (*admin.Admin, error) {
 // timedOut reports whether the command's own deadline (not an inner one,
 // such as replay's --timeout for the broker) ended it.
 func (c *cli) timedOut() bool {
-	return c.cancel != nil && errors.Is(c.ctx.Err(), context.DeadlineExceeded)
+	return c.batchTimedOut || c.cancel != nil && errors.Is(c.ctx.Err(), context.DeadlineExceeded)
 }
 
 func (c *cli) dbHost() string { return c.host }
@@ -435,7 +439,7 @@ func (c *cli) outboxPurge(args []string) error {
 			c.printf("dry run: would delete %d %s row(s) older than %s; run again with --yes\n", n, s, *olderThan)
 			continue
 		}
-		n, err := a.PurgeOutbox(c.ctx, s, before, 1000)
+		n, err := c.purge(a, s, before)
 		if err != nil {
 			// Committed batches stay: say how many, so a rerun is understood.
 			c.printf("deleted %d %s row(s) older than %s before stopping on an error\n", n, s, *olderThan)
@@ -444,6 +448,39 @@ func (c *cli) outboxPurge(args []string) error {
 		c.printf("deleted %d %s row(s) older than %s\n", n, s, *olderThan)
 	}
 	return nil
+}
+
+// purgeBatch is how many rows each DELETE of a purge removes.
+const purgeBatch = 1000
+
+// purge deletes status rows older than before in batches, each bounded by
+// IDEMCTL_TIMEOUT on its own: a database that does not answer one batch in
+// that time gives up, but a backlog whose batches all answer is purged
+// however long it takes in all. Under one deadline for the whole command,
+// purging a few million rows gave up after a minute of batches answered in
+// milliseconds, saying the database "did not answer in time". SIGINT stops
+// it between batches (and rolls back the one in flight).
+func (c *cli) purge(a *admin.Admin, status string, before time.Time) (int64, error) {
+	var total int64
+	for {
+		if err := c.base.Err(); err != nil {
+			return total, err
+		}
+		ctx, cancel := context.WithTimeout(c.base, c.timeout)
+		n, err := a.PurgeOutboxBatch(ctx, status, before, purgeBatch)
+		batchTimedOut := errors.Is(ctx.Err(), context.DeadlineExceeded)
+		cancel()
+		total += n
+		if err != nil {
+			if batchTimedOut {
+				c.batchTimedOut, c.deadline = true, c.timeout
+			}
+			return total, err
+		}
+		if n < purgeBatch {
+			return total, nil
+		}
+	}
 }
 
 func (c *cli) deadLettersList(args []string) error {

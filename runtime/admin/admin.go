@@ -197,36 +197,42 @@ func (a *Admin) CountOutboxBefore(ctx context.Context, status string, before tim
 // enqueued before it, in batches of batchSize each committed on its own,
 // and returns how many it deleted. Cancellation stops it between batches.
 func (a *Admin) PurgeOutbox(ctx context.Context, status string, before time.Time, batchSize int) (int64, error) {
-	if batchSize <= 0 {
-		return 0, errors.New("purge outbox: batch size must be positive")
-	}
-	var batch func() (int64, error)
-	switch status {
-	case StatusPublished:
-		batch = func() (int64, error) {
-			return a.q.DeletePublishedOutbox(ctx, db.DeletePublishedOutboxParams{Before: ts(before), BatchSize: int32(batchSize)})
-		}
-	case StatusParked:
-		batch = func() (int64, error) {
-			return a.q.DeleteParkedOutbox(ctx, db.DeleteParkedOutboxParams{Before: ts(before), BatchSize: int32(batchSize)})
-		}
-	default:
-		return 0, fmt.Errorf("purge outbox: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
-	}
 	var total int64
 	for {
 		if err := ctx.Err(); err != nil {
 			return total, err
 		}
-		n, err := batch()
+		n, err := a.PurgeOutboxBatch(ctx, status, before, batchSize)
 		total += n
-		if err != nil {
-			return total, fmt.Errorf("purge %s outbox rows: %w", status, err)
-		}
-		if n < int64(batchSize) {
-			return total, nil
+		if err != nil || n < int64(batchSize) {
+			return total, err
 		}
 	}
+}
+
+// PurgeOutboxBatch is one batch of PurgeOutbox: it deletes up to batchSize
+// rows in one statement (its own transaction) and returns how many; fewer
+// than batchSize means none are left. A caller that bounds each batch
+// rather than the whole purge (idemctl: a backlog of millions of rows takes
+// longer than a database that never answers may) loops over it.
+func (a *Admin) PurgeOutboxBatch(ctx context.Context, status string, before time.Time, batchSize int) (int64, error) {
+	if batchSize <= 0 {
+		return 0, errors.New("purge outbox: batch size must be positive")
+	}
+	var n int64
+	var err error
+	switch status {
+	case StatusPublished:
+		n, err = a.q.DeletePublishedOutbox(ctx, db.DeletePublishedOutboxParams{Before: ts(before), BatchSize: int32(min(batchSize, math.MaxInt32))})
+	case StatusParked:
+		n, err = a.q.DeleteParkedOutbox(ctx, db.DeleteParkedOutboxParams{Before: ts(before), BatchSize: int32(min(batchSize, math.MaxInt32))})
+	default:
+		return 0, fmt.Errorf("purge outbox: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
+	}
+	if err != nil {
+		return n, fmt.Errorf("purge %s outbox rows: %w", status, err)
+	}
+	return n, nil
 }
 
 // DeadLetter is a record a consumer could not apply, kept raw.
