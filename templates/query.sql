@@ -432,6 +432,27 @@ SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
 WHERE status = 'PARKED'
   AND (@all_rows::bool OR id = ANY(@ids::bigint[]) OR topic = ANY(@topics::text[]));
 
+-- name: RequeueParkedOutboxBatch :many
+-- One batch of idemctl's requeue (admin.RequeueParkedBatch): up to
+-- @batch_size PARKED rows with an id above @after, of one topic or all,
+-- lowest ids first, back to PENDING as RequeueParkedOutbox does. The
+-- caller pages by the highest id returned, so a batch never reads the rows
+-- earlier batches requeued, and each batch commits on its own: a requeue
+-- of millions of rows is not one statement that must finish within the
+-- operator's timeout or roll back entirely.
+UPDATE idem_outbox
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+WHERE id IN (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PARKED' AND o.id > @after
+      AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic))
+    ORDER BY o.id
+    LIMIT @batch_size
+    FOR UPDATE
+)
+  AND status = 'PARKED'
+RETURNING id;
+
 -- name: DeletePublishedOutbox :execrows
 -- Oldest first by published_at, so the batch is read from the partial index
 -- idem_outbox_published; ordering by id would walk the primary key through

@@ -44,6 +44,7 @@ Outbox:
                                            oldest first, a page of --limit (default 100)
   outbox requeue  (--all | --id N | --topic T) [--yes]
                                            parked -> pending, with a fresh attempt budget
+                                           (--all, --topic: committed 1,000 at a time)
   outbox purge    (--published | --parked) --older-than DURATION [--yes]
                                            delete old published and/or parked rows
 
@@ -68,7 +69,7 @@ Environment:
                    its search_path selects the schema with idemgen's tables
   KAFKA_BROKERS    comma-separated seed brokers, for deadletters replay
   IDEMCTL_TIMEOUT  how long a command may wait for the database (default 1m; replay
-                   adds its --timeout; purge --yes: each batch): a database that
+                   adds its --timeout; purge and requeue: each batch): a database that
                    never answers is an error (exit 2), not a hang
 
 Without --yes a mutating command only prints what it would do (a dry run).
@@ -395,13 +396,33 @@ func (c *cli) outboxRequeue(args []string) error {
 		}
 		return nil
 	}
-	n, err := a.RequeueParked(c.ctx, f)
+	if *id != 0 {
+		n, err := a.RequeueParked(c.ctx, f)
+		if err != nil {
+			return err
+		}
+		c.printf("requeued %d parked row(s)\n", n)
+		return nil
+	}
+	// --all and --topic requeue in batches, each committed: one UPDATE of
+	// millions of parked rows (a topic refused for an hour) ran past
+	// IDEMCTL_TIMEOUT and rolled back entirely, every time.
+	n, err := c.batches(func(ctx context.Context) (int64, bool, error) {
+		n, last, err := a.RequeueParkedBatch(ctx, f, requeueBatch)
+		f.After = max(f.After, last)
+		return n, n == 0, err
+	})
 	if err != nil {
+		c.printf("requeued %d parked row(s) before stopping on an error (run it again for the rest)\n", n)
 		return err
 	}
 	c.printf("requeued %d parked row(s)\n", n)
 	return nil
 }
+
+// requeueBatch is how many parked rows each batch of a requeue returns to
+// PENDING.
+const requeueBatch = 1000
 
 func (c *cli) outboxPurge(args []string) error {
 	fs := flag.NewFlagSet("outbox purge", flag.ContinueOnError)
@@ -453,21 +474,31 @@ func (c *cli) outboxPurge(args []string) error {
 // purgeBatch is how many rows each DELETE of a purge removes.
 const purgeBatch = 1000
 
-// purge deletes status rows older than before in batches, each bounded by
-// IDEMCTL_TIMEOUT on its own: a database that does not answer one batch in
-// that time gives up, but a backlog whose batches all answer is purged
-// however long it takes in all. Under one deadline for the whole command,
-// purging a few million rows gave up after a minute of batches answered in
-// milliseconds, saying the database "did not answer in time". SIGINT stops
-// it between batches (and rolls back the one in flight).
+// purge deletes status rows older than before in batches (see batches).
+// Under one deadline for the whole command, purging a few million rows gave
+// up after a minute of batches answered in milliseconds, saying the
+// database "did not answer in time".
 func (c *cli) purge(a *admin.Admin, status string, before time.Time) (int64, error) {
+	return c.batches(func(ctx context.Context) (int64, bool, error) {
+		n, err := a.PurgeOutboxBatch(ctx, status, before, purgeBatch)
+		return n, n < purgeBatch, err
+	})
+}
+
+// batches runs batch until it says it is done, each call bounded by
+// IDEMCTL_TIMEOUT on its own, and returns the rows all calls handled: a
+// database that does not answer one batch in that time gives up, but work
+// whose batches all answer is done however long it takes in all. SIGINT
+// stops it between batches (and rolls back the one in flight); the rows of
+// the batches before are returned with the error.
+func (c *cli) batches(batch func(context.Context) (n int64, done bool, err error)) (int64, error) {
 	var total int64
 	for {
 		if err := c.base.Err(); err != nil {
 			return total, err
 		}
 		ctx, cancel := context.WithTimeout(c.base, c.timeout)
-		n, err := a.PurgeOutboxBatch(ctx, status, before, purgeBatch)
+		n, done, err := batch(ctx)
 		batchTimedOut := errors.Is(ctx.Err(), context.DeadlineExceeded)
 		cancel()
 		total += n
@@ -477,7 +508,7 @@ func (c *cli) purge(a *admin.Admin, status string, before time.Time) (int64, err
 			}
 			return total, err
 		}
-		if n < purgeBatch {
+		if done {
 			return total, nil
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -169,9 +170,50 @@ func (a *Admin) RequeueParked(ctx context.Context, f OutboxFilter) (int64, error
 		n, err = a.store.RequeueAllParked(ctx)
 	}
 	if err != nil {
-		return 0, fmt.Errorf("requeue parked outbox rows: %w", err)
+		return 0, err // the Store's error says "requeue parked outbox rows" already
 	}
 	return n, nil
+}
+
+// RequeueParkedBatch is one batch of a requeue that commits as it goes:
+// it returns up to batchSize PARKED rows of f.Topic (every topic if empty)
+// with an id above f.After to PENDING with a fresh attempt budget, lowest
+// ids first, in one transaction that also wakes the relay. It returns how
+// many, and the highest id among them: the After of the next batch. Zero
+// rows means none are left above f.After. (RequeueParked does the whole
+// selection in one statement, which for millions of parked rows can take
+// longer than a caller's timeout, and then rolls back entirely.) Rows are
+// requeued in id order, so a key's events go out in their order.
+func (a *Admin) RequeueParkedBatch(ctx context.Context, f OutboxFilter, batchSize int) (n, last int64, err error) {
+	if f.ID != 0 {
+		return 0, 0, errors.New("requeue parked outbox rows: a batch selects by topic or all; RequeueParked takes an id")
+	}
+	if batchSize <= 0 {
+		return 0, 0, errors.New("requeue parked outbox rows: batch size must be positive")
+	}
+	tx, err := a.pool.Begin(ctx)
+	if err != nil {
+		return 0, 0, fmt.Errorf("requeue parked outbox rows: begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+	q := db.New(tx)
+	ids, err := q.RequeueParkedOutboxBatch(ctx, db.RequeueParkedOutboxBatchParams{
+		After: f.After, Topic: pgtype.Text{String: f.Topic, Valid: f.Topic != ""}, BatchSize: int32(min(batchSize, math.MaxInt32)),
+	})
+	if err != nil {
+		return 0, 0, fmt.Errorf("requeue parked outbox rows: %w", err)
+	}
+	if len(ids) == 0 {
+		return 0, 0, nil
+	}
+	// The NOTIFY trigger fires on INSERT only; wake the relay at commit.
+	if err := q.NotifyOutbox(ctx); err != nil {
+		return 0, 0, fmt.Errorf("requeue parked outbox rows: notify: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, 0, fmt.Errorf("requeue parked outbox rows: commit: %w", err)
+	}
+	return int64(len(ids)), slices.Max(ids), nil
 }
 
 // Outbox states PurgeOutbox accepts.

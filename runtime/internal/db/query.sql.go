@@ -1353,6 +1353,54 @@ func (q *Queries) RequeueParkedOutbox(ctx context.Context, arg RequeueParkedOutb
 	return result.RowsAffected(), nil
 }
 
+const RequeueParkedOutboxBatch = `-- name: RequeueParkedOutboxBatch :many
+UPDATE idem_outbox
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+WHERE id IN (
+    SELECT o.id FROM idem_outbox o
+    WHERE o.status = 'PARKED' AND o.id > $1
+      AND ($2::text IS NULL OR o.topic = $2)
+    ORDER BY o.id
+    LIMIT $3
+    FOR UPDATE
+)
+  AND status = 'PARKED'
+RETURNING id
+`
+
+type RequeueParkedOutboxBatchParams struct {
+	After     int64
+	Topic     pgtype.Text
+	BatchSize int32
+}
+
+// One batch of idemctl's requeue (admin.RequeueParkedBatch): up to
+// @batch_size PARKED rows with an id above @after, of one topic or all,
+// lowest ids first, back to PENDING as RequeueParkedOutbox does. The
+// caller pages by the highest id returned, so a batch never reads the rows
+// earlier batches requeued, and each batch commits on its own: a requeue
+// of millions of rows is not one statement that must finish within the
+// operator's timeout or roll back entirely.
+func (q *Queries) RequeueParkedOutboxBatch(ctx context.Context, arg RequeueParkedOutboxBatchParams) ([]int64, error) {
+	rows, err := q.db.Query(ctx, RequeueParkedOutboxBatch, arg.After, arg.Topic, arg.BatchSize)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ResetOutboxPublishing = `-- name: ResetOutboxPublishing :execrows
 UPDATE idem_outbox
 SET status = 'PENDING', claim_token = NULL, locked_until = NULL
