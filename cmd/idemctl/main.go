@@ -28,6 +28,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -171,10 +172,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case errors.As(err, &refused), errors.Is(err, admin.ErrNotFound), errors.Is(err, admin.ErrInFlight):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
 		return exitRefused
+	case isUndefinedTable(err):
+		// A wrong or missing search_path is the usual cause: say so.
+		fmt.Fprintf(stderr, "idemctl %s: %v\nidemctl: no idemgen tables in the schema DATABASE_URL selects: set its search_path to the service's schema (postgres://...?search_path=myschema); idem.Migrate or `idemgen schema` creates them\n", name, err)
+		return exitError
 	default:
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
 		return exitError
 	}
+}
+
+// isUndefinedTable reports PostgreSQL's "relation does not exist" (42P01).
+func isUndefinedTable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
 }
 
 type cli struct {
