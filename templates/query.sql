@@ -542,6 +542,11 @@ WHERE o.status = 'PARKED'
   AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
   AND (sqlc.narg(topic)::text IS NULL OR o.topic = sqlc.narg(topic));
 
+-- name: OutboxRowStatus :one
+-- What became of one outbox row, for a requeue by id that found it not
+-- parked: PENDING, PUBLISHING or PUBLISHED (or no row at all).
+SELECT status FROM idem_outbox WHERE id = @id;
+
 -- name: CountOutboxBefore :one
 -- For purge's dry run: rows in @status created (PARKED) or published
 -- (PUBLISHED) before @before.

@@ -400,6 +400,9 @@ func (c *cli) outboxRequeue(args []string) error {
 		if err != nil {
 			return err
 		}
+		if total == 0 && *id != 0 {
+			return c.notParked(a, *id, "nothing would be requeued")
+		}
 		c.printf("dry run: would requeue %d parked row(s) (PARKED -> PENDING, attempts reset); run again with --yes\n", total)
 		c.printParked(rows)
 		if total > int64(len(rows)) {
@@ -411,6 +414,9 @@ func (c *cli) outboxRequeue(args []string) error {
 		n, err := a.RequeueParked(c.ctx, f)
 		if err != nil {
 			return err
+		}
+		if n == 0 {
+			return c.notParked(a, *id, "nothing done")
 		}
 		c.printf("requeued %d parked row(s)\n", n)
 		return nil
@@ -428,6 +434,23 @@ func (c *cli) outboxRequeue(args []string) error {
 		return err
 	}
 	c.printf("requeued %d parked row(s)\n", n)
+	return nil
+}
+
+// notParked says why outbox row id was not requeued: it does not exist (a
+// mistyped id, or a dead letter's: ids of the two tables are unrelated), or
+// it is not parked (requeued already, or never parked). "requeued 0 parked
+// row(s)" told neither. Exit 0, like a second run of any repair.
+func (c *cli) notParked(a *admin.Admin, id int64, outcome string) error {
+	st, err := a.OutboxRowStatus(c.ctx, id)
+	if errors.Is(err, admin.ErrNotFound) {
+		c.printf("outbox row %d does not exist (a dead letter's id is not an outbox row's; outbox parked lists them); %s\n", id, outcome)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	c.printf("outbox row %d is %s, not PARKED; %s\n", id, st, outcome)
 	return nil
 }
 

@@ -216,6 +216,20 @@ func (a *Admin) RequeueParkedBatch(ctx context.Context, f OutboxFilter, batchSiz
 	return int64(len(ids)), slices.Max(ids), nil
 }
 
+// OutboxRowStatus returns the state of outbox row id (PENDING, PUBLISHING,
+// PUBLISHED or PARKED), or ErrNotFound: what a requeue by id that requeued
+// nothing tells the operator.
+func (a *Admin) OutboxRowStatus(ctx context.Context, id int64) (string, error) {
+	st, err := a.q.OutboxRowStatus(ctx, id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", fmt.Errorf("outbox row %d: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return "", fmt.Errorf("outbox row %d: %w", id, err)
+	}
+	return st, nil
+}
+
 // Outbox states PurgeOutbox accepts.
 const (
 	StatusPublished = "PUBLISHED"

@@ -1175,6 +1175,19 @@ func (q *Queries) OutboxLag(ctx context.Context) (OutboxLagRow, error) {
 	return i, err
 }
 
+const OutboxRowStatus = `-- name: OutboxRowStatus :one
+SELECT status FROM idem_outbox WHERE id = $1
+`
+
+// What became of one outbox row, for a requeue by id that found it not
+// parked: PENDING, PUBLISHING or PUBLISHED (or no row at all).
+func (q *Queries) OutboxRowStatus(ctx context.Context, id int64) (string, error) {
+	row := q.db.QueryRow(ctx, OutboxRowStatus, id)
+	var status string
+	err := row.Scan(&status)
+	return status, err
+}
+
 const OutboxStatus = `-- name: OutboxStatus :one
 SELECT
     (SELECT count(*) FROM idem_outbox o WHERE o.status = 'PENDING')::bigint    AS pending,
