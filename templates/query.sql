@@ -585,6 +585,13 @@ WHERE (sqlc.narg(context)::text IS NULL OR d.context = sqlc.narg(context))
   AND (sqlc.narg(topic)::text IS NULL OR d.topic = sqlc.narg(topic))
   AND (@include_replayed::bool OR d.replayed_at IS NULL);
 
+-- name: OldestProcessedEvent :one
+-- When the oldest processed-event row still kept was written (the first
+-- entry of idem_processed_events_processed_at; NULL if none is): the
+-- janitor deleted the rows before it, so a context that applied an event
+-- before then no longer knows it did. idemctl's replay checks it.
+SELECT min(processed_at)::timestamptz AS oldest FROM idem_processed_events;
+
 -- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = @id;
 

@@ -34,6 +34,7 @@ import (
 
 	"github.com/idemgen/idemgen/internal/shutdown"
 	"github.com/idemgen/idemgen/runtime/admin"
+	"github.com/idemgen/idemgen/runtime/idem"
 )
 
 const usage = `usage: idemctl <command> [flags]
@@ -54,9 +55,12 @@ Dead letters:
                                            not yet replayed ones (--all: replayed too),
                                            a page of --limit (default 100)
   deadletters show    --id N               key, value and headers, escaped
-  deadletters replay  --id N [--yes] [--timeout 30s]
+  deadletters replay  --id N [--yes] [--timeout 30s] [--processed-event-age 168h] [--force]
                                            re-produce to its topic (needs KAFKA_BROKERS),
-                                           mark it replayed once the broker acked
+                                           mark it replayed once the broker acked; one
+                                           older than the janitor's ProcessedEventAge is
+                                           refused without --force (other contexts that
+                                           applied it would apply it again)
   deadletters discard --id N [--yes]
 
 Idempotency keys (scoped: name the scope, the principal and the key):
@@ -201,7 +205,9 @@ type cli struct {
 	// broker ack). deadline is the bound in force once admin() ran.
 	timeout, extra, deadline time.Duration
 	cancel                   context.CancelFunc
-	host                     string
+	// processedAge is replay's --processed-event-age.
+	processedAge time.Duration
+	host         string
 }
 
 // admin connects to DATABASE_URL and puts the command's context under its
@@ -675,9 +681,15 @@ func (c *cli) deadLettersReplay(args []string) error {
 	id := idFlag(fs)
 	yes := fs.Bool("yes", false, "do it (without: dry run)")
 	timeout := fs.Duration("timeout", 30*time.Second, "how long to wait for the broker's ack")
+	force := fs.Bool("force", false, "replay a dead letter whose other contexts' processed-event rows may be deleted (they apply it again)")
+	age := fs.Duration("processed-event-age", idem.DefaultProcessedEventAge, "the service janitor's ProcessedEventAge")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	if *age <= 0 {
+		return usageError("--processed-event-age must be a positive duration (the janitor's ProcessedEventAge; a janitor that keeps them: --force)")
+	}
+	c.processedAge = *age
 	if err := needID(*id); err != nil {
 		return err
 	}
@@ -702,9 +714,29 @@ func (c *cli) deadLettersReplay(args []string) error {
 			c.printf("dry run: dead letter %d was replayed already (%s); nothing to replay\n", d.ID, d.ReplayedAt.UTC().Format(time.RFC3339))
 			return nil
 		}
+		if err := c.forgotten(a, d); err != nil {
+			if !*force {
+				c.printf("dry run: would refuse to replay dead letter %d without --force:\n  %v\n", d.ID, err)
+				return nil
+			}
+			c.printf("warning (--force): %v\n", err)
+		}
 		c.printf("dry run: would produce dead letter %d again to topic %s (key %s, %d header(s), %d value bytes), then mark it replayed; run again with --yes\n",
 			d.ID, escape([]byte(d.Topic)), escape(d.Key), len(d.Headers), len(d.Value))
 		return nil
+	}
+	if !*force {
+		d, err := a.DeadLetter(c.ctx, *id)
+		switch {
+		case errors.Is(err, admin.ErrNotFound):
+			// ReplayDeadLetter says "nothing done".
+		case err != nil:
+			return err
+		case d.ReplayedAt.IsZero():
+			if err := c.forgotten(a, d); err != nil {
+				return errRefused{fmt.Errorf("%w; nothing done", err)}
+			}
+		}
 	}
 	brokers, err := seedBrokers(os.Getenv("KAFKA_BROKERS"))
 	if err != nil {
@@ -794,6 +826,43 @@ func (h *lastDialError) get() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.err
+}
+
+// replayMargin is how much earlier than its dead letter other contexts may
+// have applied a record (the failed context retried, or lagged behind the
+// others) and still be trusted to remember it.
+const replayMargin = 24 * time.Hour
+
+// forgotten returns an error if the other contexts consuming d's topic may
+// have forgotten applying it. Replay re-produces the record to its topic,
+// and every context consuming it receives it again: one whose
+// processed-event row for it the janitor deleted (ProcessedEventAge, 7 days
+// by default, while dead letters are kept 30) applies it a second time (a
+// second ledger entry, a second charge). It is so if d (less replayMargin)
+// is older than the janitor's horizon (now - --processed-event-age), unless
+// rows that old are still there (the janitor is off or behind). The
+// in-place replay, Processor.ReplayDeadLetter in the service, runs only the
+// failed context.
+func (c *cli) forgotten(a *admin.Admin, d admin.DeadLetter) error {
+	applied := d.CreatedAt.Add(-replayMargin)
+	if applied.After(time.Now().Add(-c.processedAge)) {
+		return nil
+	}
+	since, ok, err := a.ProcessedEventsKeptSince(c.ctx)
+	if err != nil {
+		return err
+	}
+	if ok && !since.After(applied) {
+		return nil // rows from before it are kept: so are the others' rows for it
+	}
+	kept := "no processed-event rows are kept at all"
+	if ok {
+		kept = "processed-event rows are kept only since " + since.UTC().Format(time.RFC3339)
+	}
+	return fmt.Errorf("dead letter %d is from %s, and %s (the janitor's ProcessedEventAge, --processed-event-age %v): a context other than %s "+
+		"that applied this event then no longer knows it did, and would apply it again when it is produced to %s once more; replay it in the "+
+		"service with Processor.ReplayDeadLetter (only context %s runs), or pass --force if no other context consumes the topic or applying it twice is harmless",
+		d.ID, d.CreatedAt.UTC().Format(time.RFC3339), kept, c.processedAge, escape([]byte(d.Context)), escape([]byte(d.Topic)), escape([]byte(d.Context)))
 }
 
 func keyFlags(fs *flag.FlagSet) *admin.KeyRef {

@@ -384,6 +384,19 @@ func (a *Admin) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
 	return out, nil
 }
 
+// ProcessedEventsKeptSince returns when the oldest processed-event row
+// still kept was written, and false if none is. Every context forgot the
+// events it applied before then (the janitor's ProcessedEventAge): a record
+// re-produced to its topic (ReplayDeadLetter) that one of them applied
+// before then is applied by it again.
+func (a *Admin) ProcessedEventsKeptSince(ctx context.Context) (time.Time, bool, error) {
+	t, err := a.q.OldestProcessedEvent(ctx)
+	if err != nil {
+		return time.Time{}, false, fmt.Errorf("oldest processed event: %w", err)
+	}
+	return t.Time, t.Valid, nil
+}
+
 // DiscardDeadLetter deletes dead letter id. It reports whether there was
 // one: discarding twice is not an error.
 func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
@@ -403,7 +416,9 @@ type Producer func(ctx context.Context, d DeadLetter) error
 // (so its partition, with the default partitioner) and its headers in order,
 // among them idem-event-id, so it goes through the consumers' ordinary
 // exactly-once path: the failed context applies it, and contexts that had
-// applied it skip it as a duplicate. (A service that wants to re-process in
+// applied it skip it as a duplicate — as long as their processed-event rows
+// are kept (see ProcessedEventsKeptSince: a dead letter older than the
+// janitor's ProcessedEventAge is applied again by the others). (A service that wants to re-process in
 // place, without the broker, uses idem.Processor.ReplayDeadLetter.)
 //
 // The mark is written first and committed only after the ack: it locks the

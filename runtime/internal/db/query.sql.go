@@ -1114,6 +1114,21 @@ func (q *Queries) NotifyOutbox(ctx context.Context) error {
 	return err
 }
 
+const OldestProcessedEvent = `-- name: OldestProcessedEvent :one
+SELECT min(processed_at)::timestamptz AS oldest FROM idem_processed_events
+`
+
+// When the oldest processed-event row still kept was written (the first
+// entry of idem_processed_events_processed_at; NULL if none is): the
+// janitor deleted the rows before it, so a context that applied an event
+// before then no longer knows it did. idemctl's replay checks it.
+func (q *Queries) OldestProcessedEvent(ctx context.Context) (pgtype.Timestamptz, error) {
+	row := q.db.QueryRow(ctx, OldestProcessedEvent)
+	var oldest pgtype.Timestamptz
+	err := row.Scan(&oldest)
+	return oldest, err
+}
+
 const OutboxCounts = `-- name: OutboxCounts :many
 SELECT status, count(*)::bigint AS n FROM idem_outbox GROUP BY status
 `
