@@ -423,6 +423,10 @@ func scanFile(pkg *packages.Package, file *ast.File, g *group, m *pkgModel, errs
 				errs.add(pkg.Fset.Position(c.Slash), "%s is not attached to a declaration: put it on the line directly above the func or type (no blank line)", firstWord(c.Text))
 			case strings.HasPrefix(c.Text, "// idem:"):
 				errs.add(pkg.Fset.Position(c.Slash), "idemgen directives have no space after //: write %s", "//"+firstWord(strings.TrimLeft(c.Text[2:], " ")))
+			default:
+				if kind, ok := lookalikeDirective(c.Text); ok {
+					errs.add(pkg.Fset.Position(c.Slash), "this comment is not read as a directive: write //idem:%s (a // comment, lower case, no space after //)", kind)
+				}
 			}
 		}
 	}
@@ -1010,6 +1014,29 @@ func plural(n int, noun string) string {
 		return "1 " + noun
 	}
 	return fmt.Sprintf("%d %ss", n, noun)
+}
+
+// lookalikeDirective reports whether comment text is a directive spelled
+// so that it is not read as one — "//Idem:http", "//\tidem:http",
+// "/*idem:http ...*/" — and which kind it names. Ignored, such a typo
+// generated nothing for the function: no idempotency, and no error.
+func lookalikeDirective(text string) (string, bool) {
+	rest, ok := strings.CutPrefix(text, "//")
+	if !ok {
+		rest, ok = strings.CutPrefix(text, "/*")
+	}
+	if !ok {
+		return "", false
+	}
+	rest = strings.TrimLeft(rest, " \t")
+	if len(rest) < len("idem:") || !strings.EqualFold(rest[:len("idem:")], "idem:") {
+		return "", false
+	}
+	word := strings.ToLower(firstWord(strings.TrimSuffix(rest[len("idem:"):], "*/")))
+	if _, known := kinds[word]; !known {
+		return "", false
+	}
+	return word, true
 }
 
 func firstWord(s string) string {
