@@ -326,14 +326,25 @@ func (c *cli) outboxParked(args []string) error {
 		return err
 	}
 	f.After = *after
-	rows, err := a.ParkedEvents(c.ctx, f, *limit)
+	rows, err := a.ParkedEvents(c.ctx, f, peek(*limit))
 	if err != nil {
 		return err
 	}
+	more := len(rows) > *limit
+	rows = rows[:min(len(rows), *limit)]
 	c.printf("%d parked\n", total)
 	c.printParked(rows)
-	c.printPage(len(rows), total, *after, *limit, func(i int) int64 { return rows[i].ID })
+	c.printPage(len(rows), total, *after, *limit, more, func(i int) int64 { return rows[i].ID })
 	return nil
+}
+
+// peek is the row count a listing of limit rows asks for: one more, to
+// know whether a next page exists.
+func peek(limit int) int {
+	if limit >= math.MaxInt32 {
+		return limit
+	}
+	return limit + 1
 }
 
 // pageFlags checks --limit and --after.
@@ -350,7 +361,10 @@ func pageFlags(limit int, after int64) error {
 // printPage tells, when a listing shows fewer rows than match, which ones it
 // showed and how to get the next page: with 10,000 parked rows an operator
 // sees the total and a page, never a flood nor a silently cut list.
-func (c *cli) printPage(shown int, total, after int64, limit int, id func(int) int64) {
+//
+// more says whether rows follow the page (the listing asked for one row
+// beyond it): the last page offered a "next page" that was empty.
+func (c *cli) printPage(shown int, total, after int64, limit int, more bool, id func(int) int64) {
 	if after == 0 && int64(shown) >= total || limit == 0 {
 		// --limit 0 asks for the count alone (it said "none with an id above 0").
 		return
@@ -360,8 +374,10 @@ func (c *cli) printPage(shown int, total, after int64, limit int, id func(int) i
 		return
 	}
 	c.printf("showed %d (ids %d..%d)", shown, id(0), id(shown-1))
-	if shown == limit {
+	if more {
 		c.printf("; next page: --after %d", id(shown-1))
+	} else {
+		c.printf("; the last page")
 	}
 	c.printf("\n")
 }
@@ -577,12 +593,14 @@ func (c *cli) deadLettersList(args []string) error {
 		return err
 	}
 	f.After = *after
-	rows, err := a.DeadLetters(c.ctx, f, *limit)
+	rows, err := a.DeadLetters(c.ctx, f, peek(*limit))
 	if err != nil {
 		return err
 	}
+	more := len(rows) > *limit
+	rows = rows[:min(len(rows), *limit)]
 	c.printf("%d dead letter(s)\n", total)
-	defer c.printPage(len(rows), total, *after, *limit, func(i int) int64 { return rows[i].ID })
+	defer c.printPage(len(rows), total, *after, *limit, more, func(i int) int64 { return rows[i].ID })
 	for _, d := range rows {
 		c.printf("id=%d context=%s %s/%d@%d attempts=%d value_bytes=%d at=%s%s\n  last_error: %s\n", d.ID, escape([]byte(d.Context)),
 			escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts, d.ValueLen, d.CreatedAt.UTC().Format(time.RFC3339),
