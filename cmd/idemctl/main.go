@@ -267,7 +267,16 @@ func parse(fs *flag.FlagSet, args []string) error {
 	if fs.NArg() > 0 {
 		return usageError(fmt.Sprintf("unexpected argument %q", fs.Arg(0)))
 	}
-	return nil
+	// A text column holds no such value: PostgreSQL refused the query
+	// ("invalid byte sequence for encoding UTF8", exit 2). A principal may
+	// be anything: the runtime stores such a one hashed.
+	var bad error
+	fs.Visit(func(f *flag.Flag) {
+		if v := f.Value.String(); bad == nil && f.Name != "principal" && (!utf8.ValidString(v) || strings.ContainsRune(v, 0)) {
+			bad = usageError(fmt.Sprintf("--%s %q is not valid UTF-8 text: no stored row has it", f.Name, v))
+		}
+	})
+	return bad
 }
 
 func (c *cli) outboxStatus(args []string) error {

@@ -245,3 +245,22 @@ func TestNoGeneratorDependencies(t *testing.T) {
 		}
 	}
 }
+
+// TestFlagsNotUTF8: a flag value a text column cannot hold is a usage error
+// naming the flag (PostgreSQL refused the query: "invalid byte sequence for
+// encoding UTF8"); a principal may be any bytes (stored hashed).
+func TestFlagsNotUTF8(t *testing.T) {
+	t.Setenv("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none") // never reached
+	for _, args := range [][]string{
+		{"keys", "show", "--scope", "s\xff", "--principal", "", "--key", "k"},
+		{"keys", "release", "--scope", "s", "--principal", "", "--key", "k\xfe", "--yes"},
+		{"deadletters", "list", "--topic", "t\xff"},
+		{"outbox", "requeue", "--topic", "t\xff", "--yes"},
+	} {
+		var stdout, stderr strings.Builder
+		code := run(context.Background(), args, &stdout, &stderr)
+		if code != exitError || !strings.Contains(stderr.String(), "is not valid UTF-8 text") {
+			t.Errorf("%q: exit %d, stderr %q; want exit 2 naming the flag", args, code, stderr.String())
+		}
+	}
+}
