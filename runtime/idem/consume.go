@@ -492,6 +492,7 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 		}
 	}
 	attempt, outage := r.attempts, 0
+	slow := 0                 // *slowProbeError attempts in a row (handlerCulprit)
 	var outageSince time.Time // the first failure of the current run of outage tries
 	if r.failed != nil {
 		attempt++
@@ -544,7 +545,12 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return 0, ctxErr
 		}
-		err = p.handlerCulprit(ctx, err) // the attempt's connection is released now
+		err = p.handlerCulprit(ctx, err, slow) // the attempt's connection is released now
+		if sp := (*slowProbeError)(nil); errors.As(err, &sp) {
+			slow++
+		} else {
+			slow = 0
+		}
 		if errors.Is(err, ErrDeadLetterReplayed) {
 			return 0, err
 		}
@@ -643,7 +649,8 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 		return 0, errNotApplied // rolled back: the check writes nothing
 	}
 	if n == 1 {
-		htx := clockTx(tx, time.Now())
+		called := time.Now()
+		htx := clockTx(tx, called)
 		err := safeCall(eventContext(ctx, h, id), w, h, htx, ev)
 		returned = time.Now()
 		idle = htx.clock.idle(returned)
@@ -653,14 +660,14 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 			if errors.As(ferr, &oe) {
 				// A closed connection: the handler's own context may have
 				// closed it (ownCtxCause), decided in handlerCulprit.
-				return 0, suspect(ferr, idle, 0, ownCtxCause(ctx, tx, htx.clock, err))
+				return 0, suspect(ferr, idle, 0, ownCtxCause(ctx, tx, htx.clock, err), htx.clock.ran(returned.Sub(called)))
 			}
 			return 0, suspectIdle(ferr, idle, 0)
 		}
 		if cause := ownCtxCause(ctx, tx, htx.clock, nil); cause != nil {
 			// Returned nil on a connection its own context closed: no
 			// COMMIT can succeed there (sent, it fails as an outage).
-			return 0, suspect(&outageError{err: errConnClosedUnderHandler}, idle, 0, cause)
+			return 0, suspect(&outageError{err: errConnClosedUnderHandler}, idle, 0, cause, htx.clock.ran(returned.Sub(called)))
 		}
 		if err := handlerLeftTx(tx); err != nil {
 			return 0, err

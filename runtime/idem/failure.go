@@ -599,6 +599,9 @@ type handlerSuspect struct {
 	// context ended one of its statements and closed the connection
 	// (errOwnCtxSwallowed when it returned nil).
 	ownCtx error
+	// ran is how long the database was given to answer before that
+	// context ended the statement (see dbAnswers).
+	ran time.Duration
 }
 
 func (e *handlerSuspect) Error() string { return e.err.Error() }
@@ -608,24 +611,25 @@ func (e *handlerSuspect) Unwrap() error { return e.err }
 // with 25P03 after a handler whose longest idle stretch was idle, the
 // runtime's time after it being after.
 func suspectIdle(err error, idle, after time.Duration) error {
-	return suspect(err, idle, after, nil)
+	return suspect(err, idle, after, nil, 0)
 }
 
 // suspect returns err as a *handlerSuspect when it is a session ended with
 // 25P03 (idle and after as in suspectIdle) or when ownCtx is not nil (see
-// ownCtxCause); otherwise err.
-func suspect(err error, idle, after time.Duration, ownCtx error) error {
+// ownCtxCause; ran as in handlerSuspect); otherwise err.
+func suspect(err error, idle, after time.Duration, ownCtx error, ran time.Duration) error {
 	if ownCtx == nil && pgCode(err) != idleEnded {
 		return err
 	}
-	return &handlerSuspect{err: err, idle: idle, after: after, ownCtx: ownCtx}
+	return &handlerSuspect{err: err, idle: idle, after: after, ownCtx: ownCtx, ran: ran}
 }
 
 // handlerCulprit resolves a *handlerSuspect in err: the record's failure
 // (*idleTimeoutError, *ownCtxError) when the handler caused it (see above
 // and ownCtxError), otherwise the error without the rules (an outage).
-// Other errors pass through.
-func (p *Processor) handlerCulprit(ctx context.Context, err error) error {
+// Other errors pass through. slow is how many attempts in a row before this
+// one were a *slowProbeError.
+func (p *Processor) handlerCulprit(ctx context.Context, err error, slow int) error {
 	var s *handlerSuspect
 	if !errors.As(err, &s) {
 		return err
@@ -637,8 +641,16 @@ func (p *Processor) handlerCulprit(ctx context.Context, err error) error {
 			return ie
 		}
 	}
-	if s.ownCtx != nil && dbAnswers(ctx, p.pool, p.cfg.StorageTimeout) {
-		return &ownCtxError{err: s.ownCtx}
+	if s.ownCtx != nil {
+		switch dbAnswers(ctx, p.pool, p.cfg.StorageTimeout, s.ran) {
+		case answers:
+			return &ownCtxError{err: s.ownCtx}
+		case slowAnswer:
+			if slow+1 >= ownCtxSlowProbes {
+				return &ownCtxError{err: s.ownCtx}
+			}
+			return &slowProbeError{err: s.err}
+		}
 	}
 	return s.err
 }
@@ -721,10 +733,97 @@ func ownCtxClosed(ctx context.Context, tx pgx.Tx, clock *idleClock, err error) b
 	return ctx.Err() == nil && tx.Conn().IsClosed() && ((err != nil && isCtxErr(err)) || clock.ctxEnded())
 }
 
-// dbAnswers reports whether the database answers a round trip (pgx's
-// Ping, an empty statement) on a connection of pool within bound.
-func dbAnswers(ctx context.Context, pool *pgxpool.Pool, bound time.Duration) bool {
+// probeVerdict is what dbAnswers found.
+type probeVerdict int
+
+const (
+	noAnswer   probeVerdict = iota // no answer within the bound: an outage
+	answers                        // a prompt answer: the handler's own context
+	slowAnswer                     // an answer slower than the statement was given, a second one not: see dbAnswers
+)
+
+// dbAnswers reports whether the database answers promptly: a round trip
+// (pgx's Ping, an empty statement) on a connection of pool, the connection
+// acquired first, in less than ran, the time the handler's statement was
+// given before its own context ended it; all within bound.
+//
+// An answer that is merely eventual proves nothing about the time the
+// statement ran: a network stall, or a database that froze for a few
+// seconds, fires the handler's deadline, and a probe bounded by bound alone
+// waited it out and got its answer, charging the record for the blip.
+//
+// A probe slower than ran is looked at further. A round trip on its
+// connection as slow means the database's usual round trip is longer than
+// the handler's deadline, which then ends its statement on every attempt:
+// answers, the record's failure. Otherwise the probe waited before its
+// round trip: for a stall, or for a connection to be made (a pool whose
+// connections the handler's deadline closes makes one for every probe,
+// which may take longer than the deadline) or freed by another. So a
+// connection is made again, the probe's closed first (a pool of one): the
+// first probe no slower than twice that is a connection being made,
+// answers; slower, slowAnswer. The caller takes slowAnswer for an outage a
+// few times in a row (ownCtxSlowProbes), then for the record's failure: a
+// pool always busy must not block the record forever either.
+func dbAnswers(ctx context.Context, pool *pgxpool.Pool, bound, ran time.Duration) probeVerdict {
 	ctx, cancel := context.WithTimeout(ctx, bound)
 	defer cancel()
-	return pool.Ping(ctx) == nil
+	first, c := probe(ctx, pool)
+	if c == nil {
+		return noAnswer
+	}
+	if first < ran {
+		c.Release()
+		return answers
+	}
+	start := time.Now()
+	if c.Ping(ctx) != nil {
+		c.Release()
+		return noAnswer
+	}
+	if time.Since(start) >= ran {
+		c.Release()
+		return answers
+	}
+	_ = c.Hijack().Close(ctx)
+	again, c := probe(ctx, pool)
+	if c == nil {
+		return noAnswer
+	}
+	c.Release()
+	if first <= 2*again {
+		return answers
+	}
+	return slowAnswer
 }
+
+// probe acquires a connection of pool and pings on it, returning the time
+// both took and the connection (to release), or a nil connection when
+// either failed.
+func probe(ctx context.Context, pool *pgxpool.Pool) (time.Duration, *pgxpool.Conn) {
+	start := time.Now()
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return 0, nil
+	}
+	if c.Ping(ctx) != nil {
+		c.Release()
+		return 0, nil
+	}
+	return time.Since(start), c
+}
+
+// ownCtxSlowProbes is how many slowAnswer verdicts in a row a record's
+// attempts are waited out as an outage before the next is the record's
+// failure. A stall must then coincide with the handler's statement on as
+// many attempts in a row, each begun on a database that answered.
+const ownCtxSlowProbes = 3
+
+// slowProbeError is an attempt the handler's own context ended while a
+// probe of the database answered only slowly (slowAnswer): waited out as
+// the outage err is.
+type slowProbeError struct{ err error }
+
+func (e *slowProbeError) Error() string {
+	return "the database answered only slowly after the handler's own context ended its statement: " + e.err.Error()
+}
+func (e *slowProbeError) Unwrap() error { return e.err }

@@ -871,7 +871,8 @@ func connCheckRefused(err error) bool {
 func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
-	ftx := clockTx(tx, time.Now())
+	called := time.Now()
+	ftx := clockTx(tx, called)
 	result, err := call(ctx, ftx)
 	returned := time.Now()
 	idle := ftx.clock.idle(returned) // the function's longest idle stretch, monotonic
@@ -880,7 +881,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		if errors.Is(cerr, errStorage) {
 			// A closed connection: the function's own context may have
 			// closed it (ownCtxCause), decided in functionCulprit.
-			return nil, suspect(cerr, idle, 0, ownCtxCause(ctx, tx, ftx.clock, err))
+			return nil, suspect(cerr, idle, 0, ownCtxCause(ctx, tx, ftx.clock, err), ftx.clock.ran(returned.Sub(called)))
 		}
 		return nil, suspectIdle(cerr, idle, 0)
 	}
@@ -888,7 +889,7 @@ func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fre
 		// Returned success on a connection its own context closed: the
 		// COMMIT would be sent nowhere, and its failure answered "Outcome
 		// unknown" although nothing was sent.
-		return nil, suspect(storageErr(ctx, "function's transaction", errConnClosedUnderFunction), idle, 0, cause)
+		return nil, suspect(storageErr(ctx, "function's transaction", errConnClosedUnderFunction), idle, 0, cause, ftx.clock.ran(returned.Sub(called)))
 	}
 	out, err := h.commit(ctx, ep, in, tx, fresh, result, header)
 	if err != nil {
@@ -1086,7 +1087,7 @@ func (h *HTTP) functionCulprit(ctx context.Context, err error) error {
 	if s.ownCtx == nil {
 		return s.err
 	}
-	if dbAnswers(ctx, h.store.pool, idleReadBound) {
+	if dbAnswers(ctx, h.store.pool, idleReadBound, s.ran) == answers {
 		return &Error{Status: http.StatusInternalServerError, Title: "Statement ended by the function's own context", Err: fmt.Errorf("function: %w", &ownCtxError{err: s.ownCtx}),
 			Detail: "a context of the function's own (a deadline or cancellation it set, not the request's) ended one of its statements, which closed its database connection; the transaction rolled back and nothing was done"}
 	}

@@ -39,7 +39,9 @@ type idleClock struct {
 	calls   int       // database calls in flight
 	since   time.Time // the start of the current idle stretch, when calls == 0
 	longest time.Duration
-	ctxErr  bool // a call failed with a context's error
+	busy    time.Time     // the start of the current busy stretch, when calls > 0
+	ctxErr  bool          // a call failed with a context's error
+	ctxRan  time.Duration // the longest busy stretch that ended in a context's error
 }
 
 // clockTx returns tx wrapped, with a new clock whose first idle stretch
@@ -58,6 +60,7 @@ func (c *idleClock) enter() {
 	c.mu.Lock()
 	if c.calls == 0 {
 		c.longest = max(c.longest, now.Sub(c.since))
+		c.busy = now
 	}
 	c.calls++
 	c.mu.Unlock()
@@ -85,8 +88,10 @@ func (c *idleClock) noteFailed(err error) {
 	if !isCtxErr(err) {
 		return
 	}
+	now := time.Now()
 	c.mu.Lock()
 	c.ctxErr = true
+	c.ctxRan = max(c.ctxRan, now.Sub(c.busy))
 	c.mu.Unlock()
 }
 
@@ -95,6 +100,18 @@ func (c *idleClock) ctxEnded() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.ctxErr
+}
+
+// ran returns how long the database was given before a context's error
+// ended a call (the longest such busy stretch), or else whole: the
+// handler's run (a statement the clock did not see, through tx.Conn()).
+func (c *idleClock) ran(whole time.Duration) time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ctxRan > 0 {
+		return c.ctxRan
+	}
+	return whole
 }
 
 // isCtxErr reports whether err is, or wraps, a context's error: how

@@ -93,8 +93,11 @@ func TestHandlerOwnContextClosingConnIsDeadLettered(t *testing.T) {
 			if err != nil || o != idem.DeadLettered {
 				t.Fatalf("Process: %v, %v after %d calls; want dead-lettered after the budget of 3", o, err, calls.Load())
 			}
-			if n := calls.Load(); n != 3 {
-				t.Fatalf("the handler ran %d times, want the budget of 3", n)
+			// The budget of 3, and a free retry or two after a probe that
+			// answered only slowly (dbAnswers' slowAnswer: a loaded machine
+			// makes a connection slower than the 50ms deadline).
+			if n := calls.Load(); n < 3 || n > 3*3 {
+				t.Fatalf("the handler ran %d times, want the budget of 3 (up to 9 with slow probes)", n)
 			}
 			attempts, last := lastDeadLetter(t, pool)
 			if attempts != 3 || !strings.Contains(last, "the handler's own context") {
