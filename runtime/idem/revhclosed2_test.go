@@ -1,0 +1,206 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/faultproxy"
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// proxiedConsumeDB is a migrated schema with an effects table, reached
+// directly and through a fault proxy whose pool configure adjusts.
+func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, proxied *pgxpool.Pool, px *faultproxy.Proxy) {
+	t.Helper()
+	url := pgtest.Schema(t)
+	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
+	direct = pgtest.PoolURL(t, url, nil)
+	proxied = pgtest.PoolURL(t, px.RewriteURL(url), configure)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	return direct, proxied, px
+}
+
+// A pool of one connection: the attempt's connection is closed by the
+// handler's own deadline, the probe must make another (no deadlock, no
+// StorageTimeout wait taken for an outage); the record is dead-lettered
+// after its budget.
+func TestRevhclosedPoolOfOne(t *testing.T) {
+	t.Parallel()
+	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		StorageTimeout: 3 * time.Second,
+	})
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		return ownCtxStatement(ctx, tx, false)
+	})
+	start := time.Now()
+	o, err := processWithin(p, &h, idleRecord("one"), 20*time.Second)
+	if err != nil || o != idem.DeadLettered {
+		t.Fatalf("Process: %v, %v after %v; want dead-lettered", o, err, time.Since(start))
+	}
+	attempts, last := lastDeadLetter(t, proxied)
+	if attempts != 2 || !strings.Contains(last, "the handler's own context") {
+		t.Fatalf("dead letter: %d attempts, %q", attempts, last)
+	}
+}
+
+// A shutdown while the probe waits on a blackholed database: Process
+// returns the context's error promptly, nothing is dead-lettered or
+// applied.
+func TestRevhclosedShutdownDuringProbe(t *testing.T) {
+	t.Parallel()
+	direct, proxied, px := proxiedConsumeDB(t, nil)
+	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 1},
+		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		StorageTimeout: 10 * time.Second,
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	h := handler(func(hctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(hctx, tx, e); err != nil {
+			return err
+		}
+		px.Blackhole()
+		time.AfterFunc(700*time.Millisecond, cancel) // the probe is waiting by then
+		return ownCtxExec(hctx, tx, false, 200*time.Millisecond, `SELECT 1`)
+	})
+	start := time.Now()
+	o, err := p.Process(ctx, &h, idleRecord("shutdown"))
+	px.Restore()
+	if !errors.Is(err, context.Canceled) || time.Since(start) > 3*time.Second {
+		t.Fatalf("Process: %v, %v after %v; want context.Canceled at once", o, err, time.Since(start))
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`) + pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 0 {
+		t.Fatalf("%d dead letters and effects, want 0", n)
+	}
+}
+
+// The runtime's own cancellation racing the handler's deadline, just
+// before it (30-49ms in, the deadline at 50ms): never charged. Budget of
+// one, run many times. (A cancellation just after the deadline may find
+// the record's failure decided and its dead letter being written: that
+// write, ended by the cancellation, may have committed although Process
+// returns the context's error; the redelivery finds it stored.)
+func TestRevhclosedRuntimeCancelRacesHandlerDeadline(t *testing.T) {
+	t.Parallel()
+	pool, store := consumeDB(t)
+	p := processorWith(t, store, idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 1},
+		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		StorageTimeout: 2 * time.Second,
+	})
+	for i := range 30 {
+		ctx, cancel := context.WithCancel(context.Background())
+		h := handler(func(hctx context.Context, tx pgx.Tx, e event) error {
+			if err := insertEffect(hctx, tx, e); err != nil {
+				return err
+			}
+			time.AfterFunc(time.Duration(30+i%20)*time.Millisecond, cancel)
+			return ownCtxStatement(hctx, tx, false)
+		})
+		o, err := p.Process(ctx, &h, idleRecord("race"))
+		cancel()
+		if err == nil {
+			t.Fatalf("run %d: Process: %v, nil; want the context's error", i, o)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+			t.Fatalf("run %d: %d dead letters, want 0 (err %v)", i, n, err)
+		}
+	}
+}
+
+// pgx's CancelRequestContextWatcherHandler: the handler's own deadline
+// gets 57014 with the connection open: the record's failure as documented.
+func TestRevhclosedCancelRequestWatcher(t *testing.T) {
+	t.Parallel()
+	direct, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) {
+		c.ConnConfig.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 5 * time.Second}
+		}
+	})
+	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		StorageTimeout: 2 * time.Second,
+	})
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		return ownCtxStatement(ctx, tx, false)
+	})
+	o, err := processWithin(p, &h, idleRecord("cancelreq"), 20*time.Second)
+	if err != nil || o != idem.DeadLettered {
+		t.Fatalf("Process: %v, %v; want dead-lettered", o, err)
+	}
+	attempts, last := lastDeadLetter(t, direct)
+	if attempts != 2 || !strings.Contains(last, "57014") {
+		t.Fatalf("dead letter: %d attempts, %q; want 2 and 57014", attempts, last)
+	}
+}
+
+// A handler whose optional statement found its own budget already spent
+// (pgconn does not send it, the connection stays open: contextAlreadyDone)
+// and went on; then the network cuts its connection under its main
+// statement. The connection closed because of the network, not the
+// handler's context: an outage, no attempt (budget of one), applied once
+// the retry runs. The clock's note of the earlier context error made it
+// "the handler's own context" and, the database answering the probe,
+// dead-lettered the good record.
+func TestRevhclosedEarlierCtxErrorThenNetworkCut(t *testing.T) {
+	t.Parallel()
+	direct, proxied, px := proxiedConsumeDB(t, nil)
+	var logs lockedBuffer
+	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 1},
+		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		StorageTimeout: 3 * time.Second,
+		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	var calls atomic.Int64
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		n := calls.Add(1)
+		// Optional enrichment under a budget of its own, spent already.
+		bctx, cancel := context.WithTimeout(ctx, time.Nanosecond)
+		defer cancel()
+		<-bctx.Done()
+		var hint int
+		if err := tx.QueryRow(bctx, `SELECT 1`).Scan(&hint); err == nil {
+			return errors.New("the spent budget let the statement run")
+		}
+		if n == 1 {
+			time.AfterFunc(100*time.Millisecond, px.Cut) // the network cuts the connection
+			if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.5)`); err != nil {
+				return err
+			}
+		}
+		return insertEffect(ctx, tx, e)
+	})
+	o, err := processWithin(p, &h, idleRecord("cut"), 20*time.Second)
+	if err != nil || o != idem.Applied {
+		t.Fatalf("Process: %v, %v after %d calls; want applied (logs:\n%s)", o, err, calls.Load(), logs.String())
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Fatalf("%d dead letters, want 0", n)
+	}
+}
