@@ -42,6 +42,7 @@ type idleClock struct {
 	busy    time.Time     // the start of the current busy stretch, when calls > 0
 	ctxErr  bool          // a call failed with a context's error
 	ctxRan  time.Duration // the longest busy stretch that ended in a context's error
+	conn    *pgx.Conn     // the transaction's connection
 }
 
 // clockTx returns tx wrapped, with a new clock whose first idle stretch
@@ -50,7 +51,7 @@ func clockTx(tx pgx.Tx, start time.Time) *clockedTx {
 	b := &struct {
 		t clockedTx
 		c idleClock
-	}{c: idleClock{since: start}}
+	}{c: idleClock{since: start, conn: tx.Conn()}}
 	b.t = clockedTx{Tx: tx, clock: &b.c}
 	return &b.t
 }
@@ -85,7 +86,12 @@ func (c *idleClock) failed(err error) {
 }
 
 func (c *idleClock) noteFailed(err error) {
-	if !isCtxErr(err) {
+	// Only a context's error that left the connection closed: pgconn
+	// refuses a statement whose context is done already without sending it
+	// and keeps the connection, and a handler may go on from there (an
+	// optional statement under a budget of its own, spent). Noted, a later
+	// closing by the network read as the handler's own context.
+	if !isCtxErr(err) || !c.conn.IsClosed() {
 		return
 	}
 	now := time.Now()
