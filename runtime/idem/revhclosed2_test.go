@@ -204,3 +204,53 @@ func TestRevhclosedEarlierCtxErrorThenNetworkCut(t *testing.T) {
 		t.Fatalf("%d dead letters, want 0", n)
 	}
 }
+
+// The probe's guard against blocking forever: a pool that must make a
+// connection for every probe, slower than the handler's deadline (every
+// connection made takes 400ms here, each probe's first), while a round
+// trip and a connection made right after are quick. Each such verdict is waited
+// out as an outage (slowAnswer), but only a few in a row: then the record's
+// failure, dead-lettered, not blocked forever.
+func TestRevhclosedSlowConnectProbeStillDeadLetters(t *testing.T) {
+	t.Parallel()
+	var lastDial atomic.Int64 // UnixNano of the last connection made
+	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) {
+		c.MaxConns = 1 // the probe makes a connection every time
+		c.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
+			// Slow, unless right after another (the probe's second,
+			// made again to compare).
+			if time.Since(time.Unix(0, lastDial.Load())) > 30*time.Millisecond {
+				time.Sleep(400 * time.Millisecond)
+			}
+			lastDial.Store(time.Now().UnixNano())
+			return nil
+		}
+	})
+	var logs lockedBuffer
+	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 1},
+		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		StorageTimeout: 3 * time.Second,
+		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	var calls atomic.Int64
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		calls.Add(1)
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		return ownCtxStatement(ctx, tx, false)
+	})
+	o, err := processWithin(p, &h, idleRecord("slowdial"), 20*time.Second)
+	if err != nil || o != idem.DeadLettered {
+		t.Fatalf("Process: %v, %v after %d calls; want dead-lettered (logs:\n%s)", o, err, calls.Load(), logs.String())
+	}
+	// Up to ownCtxSlowProbes-1 (2) slow probes waited out, never more
+	// (without the guard: as many as the test's time allowed).
+	switch n := strings.Count(logs.String(), "answered only slowly"); {
+	case n == 0:
+		t.Skipf("the first probe answered at once (timing under load): the guard was not exercised")
+	case n > 2:
+		t.Fatalf("%d slow probes waited out in a row, want at most 2 (%d calls)", n, calls.Load())
+	}
+}
