@@ -32,6 +32,10 @@ func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
 	culprits := map[string]struct {
 		fn   func(ctx context.Context, tx pgx.Tx) error
 		want string // in the dead letter's last_error
+		// slow: runs beyond the budget are free retries after a probe
+		// that answered only slowly (making a connection slower than
+		// the deadline on a loaded machine), at most 2 per attempt.
+		slow bool
 	}{
 		"idle past idle_in_transaction_session_timeout": {
 			fn:   func(context.Context, pgx.Tx) error { time.Sleep(400 * time.Millisecond); return nil },
@@ -57,6 +61,7 @@ func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
 				return err
 			},
 			want: "the handler's own context",
+			slow: true,
 		},
 	}
 	for name, c := range culprits {
@@ -109,8 +114,12 @@ func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
 					return got[0] == 2 && got[1] == 5
 				})
 				r.shutdown(t)
-				if n := calls.Load(); n != 3 {
-					t.Fatalf("the culprit ran %d times, want the budget of 3", n)
+				maxRuns := int64(3)
+				if c.slow {
+					maxRuns = 3 * 3
+				}
+				if n := calls.Load(); n < 3 || n > maxRuns {
+					t.Fatalf("the culprit ran %d times, want the budget of 3 (at most %d runs)", n, maxRuns)
 				}
 				var attempts int32
 				var last string
