@@ -110,3 +110,33 @@ func TestFunctionOwnContextDuringNetworkStallIs503(t *testing.T) {
 		})
 	}
 }
+
+// The request cancelled (client gone, shutdown) while the probe waits on a
+// blackholed database, after the function's own deadline ended its
+// statement: never the function's 500; the cancellation's 503, nothing
+// stored, the key free.
+func TestFunctionOwnContextRequestCancelledDuringProbe(t *testing.T) {
+	direct, proxied, px := slowNetworkDB(t)
+	e := newEnvPool(t, proxied)
+	var once atomic.Bool
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	e.hook = func(fctx context.Context, tx pgx.Tx, _ chargeReq) error {
+		if once.CompareAndSwap(false, true) {
+			px.Blackhole()
+			time.AfterFunc(700*time.Millisecond, cancel) // the probe waits by then
+		}
+		return ownCtxExec(fctx, tx, false, 200*time.Millisecond, `SELECT 1`)
+	}
+	h := e.handler(idem.Endpoint{})
+	start := time.Now()
+	r := doCtx(ctx, h, "k-gone", body1)
+	px.Restore()
+	if r.status != http.StatusServiceUnavailable || time.Since(start) > 3*time.Second {
+		t.Fatalf("%d %s after %v; want a 503 at once", r.status, r.body, time.Since(start))
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`) + pgtest.Count(t, direct, `SELECT count(*) FROM idem_keys`); n != 0 {
+		t.Fatalf("%d effects and keys, want 0", n)
+	}
+	t.Logf("answer: %d %s", r.status, r.body)
+}
