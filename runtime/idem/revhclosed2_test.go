@@ -254,3 +254,43 @@ func TestRevhclosedSlowConnectProbeStillDeadLetters(t *testing.T) {
 		t.Fatalf("%d slow probes waited out in a row, want at most 2 (%d calls)", n, calls.Load())
 	}
 }
+
+// The database stalls under the handler's quick statement (its own 200ms
+// deadline fires because of it) and goes down before, at or just after
+// that deadline, back 1.2s later: never charged (budget of one), applied
+// once back.
+func TestRevhclosedDownAroundHandlerDeadline(t *testing.T) {
+	t.Parallel()
+	for _, at := range []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond} {
+		t.Run(at.String(), func(t *testing.T) {
+			t.Parallel()
+			direct, proxied, px := proxiedConsumeDB(t, nil)
+			var logs lockedBuffer
+			p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
+				Retry:          idem.RetryPolicy{MaxAttempts: 1},
+				Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+				StorageTimeout: 5 * time.Second,
+				Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+			})
+			var calls atomic.Int64
+			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+				if err := insertEffect(ctx, tx, e); err != nil {
+					return err
+				}
+				if calls.Add(1) == 1 {
+					px.Latency(2 * time.Second)
+					time.AfterFunc(at, px.Down)
+					time.AfterFunc(1200*time.Millisecond, px.Restore)
+				}
+				return ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT 1`)
+			})
+			o, err := processWithin(p, &h, idleRecord("down"), 30*time.Second)
+			if err != nil || o != idem.Applied {
+				t.Fatalf("Process: %v, %v after %d calls; want applied (logs:\n%s)", o, err, calls.Load(), logs.String())
+			}
+			if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+				t.Fatalf("%d dead letters, want 0", n)
+			}
+		})
+	}
+}
