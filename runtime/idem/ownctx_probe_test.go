@@ -38,7 +38,7 @@ func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, pr
 // handler's own deadline, the probe must make another (no deadlock, no
 // StorageTimeout wait taken for an outage); the record is dead-lettered
 // after its budget.
-func TestRevhclosedPoolOfOne(t *testing.T) {
+func TestOwnContextPoolOfOne(t *testing.T) {
 	t.Parallel()
 	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
 	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
@@ -66,7 +66,7 @@ func TestRevhclosedPoolOfOne(t *testing.T) {
 // A shutdown while the probe waits on a blackholed database: Process
 // returns the context's error promptly, nothing is dead-lettered or
 // applied.
-func TestRevhclosedShutdownDuringProbe(t *testing.T) {
+func TestOwnContextShutdownDuringProbe(t *testing.T) {
 	t.Parallel()
 	direct, proxied, px := proxiedConsumeDB(t, nil)
 	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
@@ -101,7 +101,7 @@ func TestRevhclosedShutdownDuringProbe(t *testing.T) {
 // the record's failure decided and its dead letter being written: that
 // write, ended by the cancellation, may have committed although Process
 // returns the context's error; the redelivery finds it stored.)
-func TestRevhclosedRuntimeCancelRacesHandlerDeadline(t *testing.T) {
+func TestOwnContextRuntimeCancelRacesHandlerDeadline(t *testing.T) {
 	t.Parallel()
 	pool, store := consumeDB(t)
 	p := processorWith(t, store, idem.ProcessorConfig{
@@ -131,7 +131,7 @@ func TestRevhclosedRuntimeCancelRacesHandlerDeadline(t *testing.T) {
 
 // pgx's CancelRequestContextWatcherHandler: the handler's own deadline
 // gets 57014 with the connection open: the record's failure as documented.
-func TestRevhclosedCancelRequestWatcher(t *testing.T) {
+func TestOwnContextCancelRequestWatcher(t *testing.T) {
 	t.Parallel()
 	direct, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) {
 		c.ConnConfig.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
@@ -167,7 +167,7 @@ func TestRevhclosedCancelRequestWatcher(t *testing.T) {
 // the retry runs. The clock's note of the earlier context error made it
 // "the handler's own context" and, the database answering the probe,
 // dead-lettered the good record.
-func TestRevhclosedEarlierCtxErrorThenNetworkCut(t *testing.T) {
+func TestOwnContextEarlierCtxErrorThenNetworkCut(t *testing.T) {
 	t.Parallel()
 	direct, proxied, px := proxiedConsumeDB(t, nil)
 	var logs lockedBuffer
@@ -211,7 +211,7 @@ func TestRevhclosedEarlierCtxErrorThenNetworkCut(t *testing.T) {
 // trip and a connection made right after are quick. Each such verdict is waited
 // out as an outage (slowAnswer), but only a few in a row: then the record's
 // failure, dead-lettered, not blocked forever.
-func TestRevhclosedSlowConnectProbeStillDeadLetters(t *testing.T) {
+func TestOwnContextSlowConnectProbeStillDeadLetters(t *testing.T) {
 	t.Parallel()
 	var lastDial atomic.Int64 // UnixNano of the last connection made
 	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) {
@@ -259,7 +259,7 @@ func TestRevhclosedSlowConnectProbeStillDeadLetters(t *testing.T) {
 // deadline fires because of it) and goes down before, at or just after
 // that deadline, back 1.2s later: never charged (budget of one), applied
 // once back.
-func TestRevhclosedDownAroundHandlerDeadline(t *testing.T) {
+func TestOwnContextDownAroundHandlerDeadline(t *testing.T) {
 	t.Parallel()
 	for _, at := range []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond} {
 		t.Run(at.String(), func(t *testing.T) {
