@@ -343,10 +343,14 @@ WHERE id = ANY(@ids::bigint[]) AND claim_token = @claim_token AND status = 'PUBL
 -- the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 -- once; an uncounted one (a broker-wide outage) changes neither. Conditional
 -- on the claim token and the lease like MarkOutboxPublished. It reports how
--- many rows it marked and how many of them it parked.
+-- many rows it marked and how many of them it parked. A row it parks gets
+-- parked_at = now(), the start of this (short) transaction, so the purge of
+-- parked rows counts their age from here; a row it returns to PENDING has
+-- none.
 WITH marked AS (
   UPDATE idem_outbox o
   SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN 'PARKED' ELSE 'PENDING' END,
+      parked_at = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= @max_attempts) THEN now() END,
       attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
       last_error = f.error,
       claim_token = NULL,
@@ -426,9 +430,9 @@ SELECT pg_notify('idem_outbox', '');
 -- Returns PARKED rows to PENDING with a fresh attempt budget: every parked
 -- row (all), those with the given ids, or those of the given topics. They go
 -- out through the ordinary relay path (claim, publish, mark under the lease).
--- last_error is kept until the row is published.
+-- last_error is kept until the row is published; parked_at is cleared.
 UPDATE idem_outbox
-SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL, parked_at = NULL
 WHERE status = 'PARKED'
   AND (@all_rows::bool OR id = ANY(@ids::bigint[]) OR topic = ANY(@topics::text[]));
 
@@ -441,7 +445,7 @@ WHERE status = 'PARKED'
 -- of millions of rows is not one statement that must finish within the
 -- operator's timeout or roll back entirely.
 UPDATE idem_outbox
-SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL, parked_at = NULL
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
     WHERE o.status = 'PARKED' AND o.id > @after
@@ -525,7 +529,9 @@ FROM idem_relay_leader
 ORDER BY name;
 
 -- name: ListParkedOutbox :many
-SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, coalesce(o.last_error, '')::text AS last_error
+-- parked_at is NULL for a row parked by a version without the column.
+SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, o.parked_at,
+       coalesce(o.last_error, '')::text AS last_error
 FROM idem_outbox o
 WHERE o.status = 'PARKED'
   AND (sqlc.narg(id)::bigint IS NULL OR o.id = sqlc.narg(id))
@@ -548,23 +554,39 @@ WHERE o.status = 'PARKED'
 SELECT status FROM idem_outbox WHERE id = @id;
 
 -- name: CountOutboxBefore :one
--- For purge's dry run: rows in @status created (PARKED) or published
--- (PUBLISHED) before @before.
+-- For purge's dry run: rows in @status parked (PARKED) or published
+-- (PUBLISHED) before @before. A PARKED row without parked_at (parked by a
+-- version without the column) is not counted: its parking time is unknown
+-- (CountParkedOutboxUnknownTime counts those).
 SELECT count(*)::bigint FROM idem_outbox o
 WHERE o.status = @status::text
-  AND CASE WHEN @status::text = 'PUBLISHED' THEN o.published_at ELSE o.created_at END < @before;
+  AND CASE WHEN @status::text = 'PUBLISHED' THEN o.published_at ELSE o.parked_at END < @before;
+
+-- name: CountParkedOutboxUnknownTime :one
+-- PARKED rows without parked_at (parked by a version without the column,
+-- or before the upgrade that added it): a purge by age keeps them, and
+-- says how many it kept.
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = 'PARKED' AND o.parked_at IS NULL;
 
 -- name: DeleteParkedOutbox :execrows
--- One batch of purge: parked rows enqueued before @before, through
--- idem_outbox_parked.
+-- One batch of purge: rows parked before @before (by parked_at, not
+-- created_at: an event enqueued long ago may have been parked a minute ago),
+-- through idem_outbox_parked. A row without parked_at is never selected.
 DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
-    WHERE o.status = 'PARKED' AND o.created_at < @before
+    WHERE o.status = 'PARKED' AND o.parked_at < @before
     ORDER BY o.id
     LIMIT @batch_size
     FOR UPDATE SKIP LOCKED
 );
+
+-- name: DeleteParkedOutboxByID :execrows
+-- purge --parked --id: one PARKED row, whatever its age or parked_at (the
+-- operator named it); 0 rows when it is not parked (requeued, published)
+-- or does not exist.
+DELETE FROM idem_outbox WHERE id = @id AND status = 'PARKED';
 
 -- name: ListDeadLetters :many
 -- Dead letters not yet replayed (all of them with @include_replayed).

@@ -171,6 +171,12 @@ $$;
 -- under its lease token) -> PUBLISHED, or PARKED after a permanent error or
 -- too many failures while other events got through. attempts counts only
 -- failures charged to the row itself, never a broker-wide outage.
+-- parked_at is when the row was last parked (the parking transaction's
+-- now()), NULL unless status is PARKED: a requeue clears it. idemctl's
+-- purge of parked rows goes by it, not by created_at (an event enqueued a
+-- week ago and parked a minute ago is not a week-old parked row). A row
+-- parked by a version without the column has none: its parking time is
+-- unknown, and a purge by age keeps it.
 CREATE TABLE IF NOT EXISTS idem_outbox (
     id           bigserial   PRIMARY KEY,
     event_id     text        NOT NULL UNIQUE DEFAULT idem_uuid_v7()::text,
@@ -185,8 +191,24 @@ CREATE TABLE IF NOT EXISTS idem_outbox (
     locked_until timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now(),
     published_at timestamptz,
-    last_error   text
+    last_error   text,
+    parked_at    timestamptz
 );
+
+-- An outbox created by a version without parked_at gets the column: nullable,
+-- without a default, so adding it rewrites nothing (a catalog change under
+-- a brief ACCESS EXCLUSIVE lock, bounded by Migrate's lock_timeout and
+-- retried). Rows parked before the upgrade keep parked_at NULL (unknown).
+-- After a catalog check, as for the indexes: ALTER TABLE locks the table
+-- even when the column exists.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute
+                   WHERE attrelid = 'idem_outbox'::regclass AND attname = 'parked_at' AND NOT attisdropped) THEN
+        ALTER TABLE idem_outbox ADD COLUMN IF NOT EXISTS parked_at timestamptz;
+    END IF;
+END
+$$;
 
 DO $$
 BEGIN

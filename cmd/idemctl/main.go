@@ -48,7 +48,10 @@ Outbox:
                                            parked -> pending, with a fresh attempt budget
                                            (--all, --topic: committed 1,000 at a time)
   outbox purge    (--published | --parked) --older-than DURATION [--yes]
-                                           delete old published and/or parked rows
+                                           delete rows published / parked more than
+                                           DURATION ago (a parked row with no parking
+                                           time, parked by an older version, is kept)
+  outbox purge    --parked --id N [--yes]  delete one parked row, whatever its age
 
 Dead letters:
   deadletters list    [--context C] [--topic T] [--all] [--limit N] [--after ID]
@@ -393,8 +396,12 @@ func (c *cli) printPage(shown int, total, after int64, limit int, more bool, id 
 
 func (c *cli) printParked(rows []admin.ParkedEvent) {
 	for _, r := range rows {
-		c.printf("id=%d topic=%s event_id=%s key=%s attempts=%d enqueued=%s\n  last_error: %s\n", r.ID, escape([]byte(r.Topic)),
-			escape([]byte(r.EventID)), escape(r.Key), r.Attempts, r.CreatedAt.UTC().Format(time.RFC3339), escape([]byte(r.LastError)))
+		parked := "unknown" // parked by a version without idem_outbox.parked_at
+		if !r.ParkedAt.IsZero() {
+			parked = r.ParkedAt.UTC().Format(time.RFC3339)
+		}
+		c.printf("id=%d topic=%s event_id=%s key=%s attempts=%d enqueued=%s parked=%s\n  last_error: %s\n", r.ID, escape([]byte(r.Topic)),
+			escape([]byte(r.EventID)), escape(r.Key), r.Attempts, r.CreatedAt.UTC().Format(time.RFC3339), parked, escape([]byte(r.LastError)))
 	}
 }
 
@@ -492,14 +499,30 @@ const requeueBatch = 1000
 func (c *cli) outboxPurge(args []string) error {
 	fs := flag.NewFlagSet("outbox purge", flag.ContinueOnError)
 	published := fs.Bool("published", false, "delete PUBLISHED rows published before --older-than")
-	parked := fs.Bool("parked", false, "delete PARKED rows enqueued before --older-than (their events are lost)")
+	parked := fs.Bool("parked", false, "delete PARKED rows parked before --older-than (their events are lost)")
 	olderThan := fs.Duration("older-than", 0, "age, e.g. 24h")
+	id := fs.Int64("id", 0, "with --parked: this parked row, whatever its age")
 	yes := fs.Bool("yes", false, "do it (without: dry run)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if !*published && !*parked {
 		return usageError("say what to purge: --published and/or --parked")
+	}
+	if *id != 0 {
+		switch {
+		case *id < 0:
+			return usageError("--id must be positive")
+		case *published || !*parked:
+			return usageError("--id purges one parked row: use it with --parked alone")
+		case *olderThan != 0:
+			return usageError("choose one of --id N and --older-than DURATION")
+		}
+		a, err := c.admin()
+		if err != nil {
+			return err
+		}
+		return c.purgeParkedID(a, *id, *yes)
 	}
 	if *olderThan <= 0 {
 		return usageError("--older-than must be a positive duration, e.g. 24h")
@@ -517,22 +540,74 @@ func (c *cli) outboxPurge(args []string) error {
 		statuses = append(statuses, admin.StatusParked)
 	}
 	for _, s := range statuses {
+		// Parked rows go by when they were parked (parked_at), not by when
+		// they were enqueued: an event enqueued a week ago and parked a
+		// minute ago is no week-old parked row.
+		age := "older than " + olderThan.String()
+		if s == admin.StatusParked {
+			age = "parked more than " + olderThan.String() + " ago"
+		}
 		if !*yes {
 			n, err := a.CountOutboxBefore(c.ctx, s, before)
 			if err != nil {
 				return err
 			}
-			c.printf("dry run: would delete %d %s row(s) older than %s; run again with --yes\n", n, s, *olderThan)
+			c.printf("dry run: would delete %d %s row(s) %s; run again with --yes\n", n, s, age)
 			continue
 		}
 		n, err := c.purge(a, s, before)
 		if err != nil {
 			// Committed batches stay: say how many, so a rerun is understood.
-			c.printf("deleted %d %s row(s) older than %s before stopping on an error\n", n, s, *olderThan)
+			c.printf("deleted %d %s row(s) %s before stopping on an error\n", n, s, age)
 			return err
 		}
-		c.printf("deleted %d %s row(s) older than %s\n", n, s, *olderThan)
+		c.printf("deleted %d %s row(s) %s\n", n, s, age)
 	}
+	if !*parked {
+		return nil
+	}
+	// A parked row without parked_at was parked by a version of the runtime
+	// without the column (before the upgrade, or by an older replica still
+	// running): how long it has been parked is unknown, so no age selects
+	// it. It is kept, and the operator told, so that its event is neither
+	// lost unasked nor left unseen. A purge that kept rows did not do all
+	// that was asked: exit 1 (refused), like any partial "no".
+	unknown, err := a.CountParkedUnknownTime(c.ctx)
+	if err != nil || unknown == 0 {
+		return err
+	}
+	kept := fmt.Sprintf("%d parked row(s) with no parking time (parked by an older version of the runtime) were kept; "+
+		"outbox parked lists them (parked=unknown): purge each with --parked --id N, or requeue them", unknown)
+	if !*yes {
+		c.printf("dry run: %s\n", strings.Replace(kept, "were kept", "would be kept", 1))
+		return nil
+	}
+	return errRefused{errors.New(kept)}
+}
+
+// purgeParkedID deletes parked row id (with yes; else shows it): an
+// operator's explicit choice, whatever its age or parking time.
+func (c *cli) purgeParkedID(a *admin.Admin, id int64, yes bool) error {
+	if !yes {
+		rows, err := a.ParkedEvents(c.ctx, admin.OutboxFilter{ID: id}, 1)
+		if err != nil {
+			return err
+		}
+		if len(rows) == 0 {
+			return c.notParked(a, id, "nothing would be deleted")
+		}
+		c.printf("dry run: would delete parked row %d (its event is lost); run again with --yes\n", id)
+		c.printParked(rows)
+		return nil
+	}
+	n, err := a.PurgeParked(c.ctx, id)
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return c.notParked(a, id, "nothing done")
+	}
+	c.printf("deleted parked row %d\n", id)
 	return nil
 }
 

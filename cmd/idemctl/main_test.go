@@ -264,3 +264,44 @@ func TestFlagsNotUTF8(t *testing.T) {
 		}
 	}
 }
+
+// TestPurgeKeptParkedRowsExit1: a purge of parked rows that kept some (no
+// parking time: parked by an older version) did not do all it was asked:
+// exit 1, the refused outcome, with the rows it could delete deleted; its
+// dry run exits 0. (purgeparkedat.txtar covers the messages.)
+func TestPurgeKeptParkedRowsExit1(t *testing.T) {
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DATABASE_URL", dbURL)
+	conn, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload, status, created_at, parked_at)
+		VALUES ('t', '', 'PARKED', now() - interval '2 days', NULL), ('t', '', 'PARKED', now() - interval '2 days', now() - interval '2 days')`); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"outbox", "purge", "--parked", "--older-than", "24h"}, exitOK},
+		{[]string{"outbox", "purge", "--parked", "--older-than", "24h", "--yes"}, exitRefused},
+		{[]string{"outbox", "purge", "--published", "--older-than", "24h", "--yes"}, exitOK},
+	} {
+		var stdout, stderr strings.Builder
+		if code := run(context.Background(), c.args, &stdout, &stderr); code != c.code {
+			t.Errorf("%q: exit %d, want %d\nstdout: %s\nstderr: %s", c.args, code, c.code, stdout.String(), stderr.String())
+		}
+	}
+	var left int
+	if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM idem_outbox WHERE parked_at IS NULL`).Scan(&left); err != nil || left != 1 {
+		t.Errorf("%d rows without parked_at left (%v), want the 1 kept", left, err)
+	}
+}

@@ -116,7 +116,10 @@ type ParkedEvent struct {
 	Topic     string
 	Key       []byte
 	Attempts  int32
-	CreatedAt time.Time
+	CreatedAt time.Time // enqueued
+	// ParkedAt is when the relay parked it; zero when it was parked by a
+	// version without idem_outbox.parked_at (its parking time is unknown).
+	ParkedAt  time.Time
 	LastError string
 }
 
@@ -133,7 +136,7 @@ func (a *Admin) ParkedEvents(ctx context.Context, f OutboxFilter, limit int) ([]
 	}
 	out := make([]ParkedEvent, len(rows))
 	for i, r := range rows {
-		out[i] = ParkedEvent{ID: r.ID, EventID: r.EventID, Topic: r.Topic, Key: r.RecordKey, Attempts: r.Attempts, CreatedAt: r.CreatedAt.Time, LastError: r.LastError}
+		out[i] = ParkedEvent{ID: r.ID, EventID: r.EventID, Topic: r.Topic, Key: r.RecordKey, Attempts: r.Attempts, CreatedAt: r.CreatedAt.Time, ParkedAt: r.ParkedAt.Time, LastError: r.LastError}
 	}
 	return out, nil
 }
@@ -237,7 +240,9 @@ const (
 )
 
 // CountOutboxBefore counts the rows PurgeOutbox(status, before) would delete:
-// PUBLISHED rows published before before, or PARKED rows enqueued before it.
+// PUBLISHED rows published before before, or PARKED rows parked before it
+// (by parked_at; rows without one are not counted, see
+// CountParkedUnknownTime).
 func (a *Admin) CountOutboxBefore(ctx context.Context, status string, before time.Time) (int64, error) {
 	if status != StatusPublished && status != StatusParked {
 		return 0, fmt.Errorf("count outbox rows: status %q is neither %s nor %s", status, StatusPublished, StatusParked)
@@ -249,8 +254,32 @@ func (a *Admin) CountOutboxBefore(ctx context.Context, status string, before tim
 	return n, nil
 }
 
+// CountParkedUnknownTime counts the PARKED rows without a parking time
+// (parked_at NULL: parked by a version of the runtime without the column,
+// before the upgrade or by an older replica still running). A purge by age
+// never deletes them, since how long they have been parked is unknown;
+// they go by id (PurgeParked) or by a requeue.
+func (a *Admin) CountParkedUnknownTime(ctx context.Context) (int64, error) {
+	n, err := a.q.CountParkedOutboxUnknownTime(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("count parked outbox rows without a parking time: %w", err)
+	}
+	return n, nil
+}
+
+// PurgeParked deletes the PARKED outbox row id, whatever its age (its
+// event is lost), and returns 1, or 0 when the row is not PARKED or does
+// not exist (OutboxRowStatus says which).
+func (a *Admin) PurgeParked(ctx context.Context, id int64) (int64, error) {
+	n, err := a.q.DeleteParkedOutboxByID(ctx, id)
+	if err != nil {
+		return 0, fmt.Errorf("purge parked outbox row %d: %w", id, err)
+	}
+	return n, nil
+}
+
 // PurgeOutbox deletes PUBLISHED rows published before before, or PARKED rows
-// enqueued before it, in batches of batchSize each committed on its own,
+// parked before it, in batches of batchSize each committed on its own,
 // and returns how many it deleted. Cancellation stops it between batches.
 func (a *Admin) PurgeOutbox(ctx context.Context, status string, before time.Time, batchSize int) (int64, error) {
 	var total int64

@@ -51,6 +51,7 @@ type IdemOutbox struct {
 	CreatedAt   pgtype.Timestamptz
 	PublishedAt pgtype.Timestamptz
 	LastError   pgtype.Text
+	ParkedAt    pgtype.Timestamptz
 }
 
 type IdemProcessedEvent struct {

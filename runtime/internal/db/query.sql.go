@@ -305,7 +305,7 @@ func (q *Queries) CountDeadLetters(ctx context.Context, arg CountDeadLettersPara
 const CountOutboxBefore = `-- name: CountOutboxBefore :one
 SELECT count(*)::bigint FROM idem_outbox o
 WHERE o.status = $1::text
-  AND CASE WHEN $1::text = 'PUBLISHED' THEN o.published_at ELSE o.created_at END < $2
+  AND CASE WHEN $1::text = 'PUBLISHED' THEN o.published_at ELSE o.parked_at END < $2
 `
 
 type CountOutboxBeforeParams struct {
@@ -313,8 +313,10 @@ type CountOutboxBeforeParams struct {
 	Before pgtype.Timestamptz
 }
 
-// For purge's dry run: rows in @status created (PARKED) or published
-// (PUBLISHED) before @before.
+// For purge's dry run: rows in @status parked (PARKED) or published
+// (PUBLISHED) before @before. A PARKED row without parked_at (parked by a
+// version without the column) is not counted: its parking time is unknown
+// (CountParkedOutboxUnknownTime counts those).
 func (q *Queries) CountOutboxBefore(ctx context.Context, arg CountOutboxBeforeParams) (int64, error) {
 	row := q.db.QueryRow(ctx, CountOutboxBefore, arg.Status, arg.Before)
 	var column_1 int64
@@ -338,6 +340,21 @@ type CountParkedOutboxParams struct {
 // cut at its limit (and requeue's dry run) can say how many there are.
 func (q *Queries) CountParkedOutbox(ctx context.Context, arg CountParkedOutboxParams) (int64, error) {
 	row := q.db.QueryRow(ctx, CountParkedOutbox, arg.ID, arg.Topic)
+	var column_1 int64
+	err := row.Scan(&column_1)
+	return column_1, err
+}
+
+const CountParkedOutboxUnknownTime = `-- name: CountParkedOutboxUnknownTime :one
+SELECT count(*)::bigint FROM idem_outbox o
+WHERE o.status = 'PARKED' AND o.parked_at IS NULL
+`
+
+// PARKED rows without parked_at (parked by a version without the column,
+// or before the upgrade that added it): a purge by age keeps them, and
+// says how many it kept.
+func (q *Queries) CountParkedOutboxUnknownTime(ctx context.Context) (int64, error) {
+	row := q.db.QueryRow(ctx, CountParkedOutboxUnknownTime)
 	var column_1 int64
 	err := row.Scan(&column_1)
 	return column_1, err
@@ -455,7 +472,7 @@ const DeleteParkedOutbox = `-- name: DeleteParkedOutbox :execrows
 DELETE FROM idem_outbox
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
-    WHERE o.status = 'PARKED' AND o.created_at < $1
+    WHERE o.status = 'PARKED' AND o.parked_at < $1
     ORDER BY o.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
@@ -467,10 +484,26 @@ type DeleteParkedOutboxParams struct {
 	BatchSize int32
 }
 
-// One batch of purge: parked rows enqueued before @before, through
-// idem_outbox_parked.
+// One batch of purge: rows parked before @before (by parked_at, not
+// created_at: an event enqueued long ago may have been parked a minute ago),
+// through idem_outbox_parked. A row without parked_at is never selected.
 func (q *Queries) DeleteParkedOutbox(ctx context.Context, arg DeleteParkedOutboxParams) (int64, error) {
 	result, err := q.db.Exec(ctx, DeleteParkedOutbox, arg.Before, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const DeleteParkedOutboxByID = `-- name: DeleteParkedOutboxByID :execrows
+DELETE FROM idem_outbox WHERE id = $1 AND status = 'PARKED'
+`
+
+// purge --parked --id: one PARKED row, whatever its age or parked_at (the
+// operator named it); 0 rows when it is not parked (requeued, published)
+// or does not exist.
+func (q *Queries) DeleteParkedOutboxByID(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, DeleteParkedOutboxByID, id)
 	if err != nil {
 		return 0, err
 	}
@@ -873,7 +906,8 @@ func (q *Queries) ListDeadLetters(ctx context.Context, arg ListDeadLettersParams
 }
 
 const ListParkedOutbox = `-- name: ListParkedOutbox :many
-SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, coalesce(o.last_error, '')::text AS last_error
+SELECT o.id, o.event_id, o.topic, o.record_key, o.attempts, o.created_at, o.parked_at,
+       coalesce(o.last_error, '')::text AS last_error
 FROM idem_outbox o
 WHERE o.status = 'PARKED'
   AND ($1::bigint IS NULL OR o.id = $1)
@@ -897,9 +931,11 @@ type ListParkedOutboxRow struct {
 	RecordKey []byte
 	Attempts  int32
 	CreatedAt pgtype.Timestamptz
+	ParkedAt  pgtype.Timestamptz
 	LastError string
 }
 
+// parked_at is NULL for a row parked by a version without the column.
 func (q *Queries) ListParkedOutbox(ctx context.Context, arg ListParkedOutboxParams) ([]ListParkedOutboxRow, error) {
 	rows, err := q.db.Query(ctx, ListParkedOutbox,
 		arg.ID,
@@ -921,6 +957,7 @@ func (q *Queries) ListParkedOutbox(ctx context.Context, arg ListParkedOutboxPara
 			&i.RecordKey,
 			&i.Attempts,
 			&i.CreatedAt,
+			&i.ParkedAt,
 			&i.LastError,
 		); err != nil {
 			return nil, err
@@ -1019,6 +1056,7 @@ const MarkOutboxFailed = `-- name: MarkOutboxFailed :one
 WITH marked AS (
   UPDATE idem_outbox o
   SET status = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN 'PARKED' ELSE 'PENDING' END,
+      parked_at = CASE WHEN f.permanent OR (f.counted AND o.attempts + 1 >= $1) THEN now() END,
       attempts = o.attempts + CASE WHEN f.counted OR f.permanent THEN 1 ELSE 0 END,
       last_error = f.error,
       claim_token = NULL,
@@ -1052,7 +1090,10 @@ type MarkOutboxFailedRow struct {
 // the row (PARKED) once it reaches max_attempts; a permanent one parks it at
 // once; an uncounted one (a broker-wide outage) changes neither. Conditional
 // on the claim token and the lease like MarkOutboxPublished. It reports how
-// many rows it marked and how many of them it parked.
+// many rows it marked and how many of them it parked. A row it parks gets
+// parked_at = now(), the start of this (short) transaction, so the purge of
+// parked rows counts their age from here; a row it returns to PENDING has
+// none.
 func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (MarkOutboxFailedRow, error) {
 	row := q.db.QueryRow(ctx, MarkOutboxFailed,
 		arg.MaxAttempts,
@@ -1358,7 +1399,7 @@ func (q *Queries) RenewRelayLease(ctx context.Context, arg RenewRelayLeaseParams
 
 const RequeueParkedOutbox = `-- name: RequeueParkedOutbox :execrows
 UPDATE idem_outbox
-SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL, parked_at = NULL
 WHERE status = 'PARKED'
   AND ($1::bool OR id = ANY($2::bigint[]) OR topic = ANY($3::text[]))
 `
@@ -1372,7 +1413,7 @@ type RequeueParkedOutboxParams struct {
 // Returns PARKED rows to PENDING with a fresh attempt budget: every parked
 // row (all), those with the given ids, or those of the given topics. They go
 // out through the ordinary relay path (claim, publish, mark under the lease).
-// last_error is kept until the row is published.
+// last_error is kept until the row is published; parked_at is cleared.
 func (q *Queries) RequeueParkedOutbox(ctx context.Context, arg RequeueParkedOutboxParams) (int64, error) {
 	result, err := q.db.Exec(ctx, RequeueParkedOutbox, arg.AllRows, arg.Ids, arg.Topics)
 	if err != nil {
@@ -1383,7 +1424,7 @@ func (q *Queries) RequeueParkedOutbox(ctx context.Context, arg RequeueParkedOutb
 
 const RequeueParkedOutboxBatch = `-- name: RequeueParkedOutboxBatch :many
 UPDATE idem_outbox
-SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL
+SET status = 'PENDING', attempts = 0, claim_token = NULL, locked_until = NULL, parked_at = NULL
 WHERE id IN (
     SELECT o.id FROM idem_outbox o
     WHERE o.status = 'PARKED' AND o.id > $1
