@@ -1091,9 +1091,10 @@ type MarkOutboxFailedRow struct {
 // once; an uncounted one (a broker-wide outage) changes neither. Conditional
 // on the claim token and the lease like MarkOutboxPublished. It reports how
 // many rows it marked and how many of them it parked. A row it parks gets
-// parked_at = now(), the start of this (short) transaction, so the purge of
-// parked rows counts their age from here; a row it returns to PENDING has
-// none.
+// parked_at = now(): transaction time, which is this statement's start, as
+// the relay sends it alone (autocommit; it ran in no longer transaction);
+// idemctl's purge of parked rows counts their age from it. A row it
+// returns to PENDING gets none.
 func (q *Queries) MarkOutboxFailed(ctx context.Context, arg MarkOutboxFailedParams) (MarkOutboxFailedRow, error) {
 	row := q.db.QueryRow(ctx, MarkOutboxFailed,
 		arg.MaxAttempts,
