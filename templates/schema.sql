@@ -265,6 +265,39 @@ BEGIN
 END
 $$;
 
+-- parked_at for a statement that does not know the column: a version older
+-- than it (an old replica's relay during a rolling upgrade, or after a
+-- rollback; an old idemctl's requeue) parks a row or requeues it without
+-- touching parked_at. Unfixed, a row parked 10 days ago, requeued by an old
+-- version (parked_at kept) and parked again a minute ago by an old relay
+-- showed parked_at of 10 days ago, and purge --parked --older-than 7d
+-- deleted it: its event lost. So an UPDATE that moves a row into PARKED, or
+-- out of it with a parked_at, and leaves parked_at as it was gets the
+-- parking time (now()) or loses it. This version's statements set
+-- parked_at themselves (MarkOutboxFailed, the requeues), so the WHEN clause
+-- (evaluated without calling the function) skips them, and the claims and
+-- publishes that do not move a row into or out of PARKED.
+CREATE OR REPLACE FUNCTION idem_outbox_parked_at() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.parked_at := CASE WHEN NEW.status = 'PARKED' THEN now() END;
+    RETURN NEW;
+END;
+$$;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'idem_outbox'::regclass AND tgname = 'idem_outbox_parked_at') THEN
+        CREATE TRIGGER idem_outbox_parked_at BEFORE UPDATE ON idem_outbox
+            FOR EACH ROW
+            WHEN (NEW.status IS DISTINCT FROM OLD.status
+                  AND NEW.parked_at IS NOT DISTINCT FROM OLD.parked_at
+                  AND (NEW.status = 'PARKED' OR NEW.parked_at IS NOT NULL))
+            EXECUTE FUNCTION idem_outbox_parked_at();
+    END IF;
+END
+$$;
+
 -- idem_schema_version records which text of this file was last applied (its
 -- SHA-256, written by idem.Migrate after applying it), so that Migrate on a
 -- current schema only reads this row: it then runs no DDL and takes no lock
