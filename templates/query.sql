@@ -563,6 +563,13 @@ SELECT count(*)::bigint FROM idem_outbox o
 WHERE o.status = @status::text
   AND CASE WHEN @status::text = 'PUBLISHED' THEN o.published_at ELSE o.parked_at END < @before;
 
+-- name: DatabaseNow :one
+-- PostgreSQL's clock, which sets parked_at and published_at: idemctl's
+-- purge counts its cutoff from it, not from the operator's machine (a
+-- laptop clock 2 hours ahead made --older-than 1h delete rows parked a
+-- minute ago).
+SELECT now()::timestamptz AS now;
+
 -- name: CountParkedOutboxUnknownTime :one
 -- PARKED rows without parked_at (parked by a version without the column,
 -- or before the upgrade that added it): a purge by age keeps them, and

@@ -492,6 +492,10 @@ func (c *cli) notParked(a *admin.Admin, id int64, outcome string) error {
 	return nil
 }
 
+// clientNow is the operator's machine's clock (a variable for the tests
+// that skew it).
+var clientNow = time.Now
+
 // requeueBatch is how many parked rows each batch of a requeue returns to
 // PENDING.
 const requeueBatch = 1000
@@ -531,7 +535,14 @@ func (c *cli) outboxPurge(args []string) error {
 	if err != nil {
 		return err
 	}
-	before := time.Now().Add(-*olderThan)
+	// The cutoff is the database's clock less the age: parked_at and
+	// published_at are set by it, and the operator's machine may be hours
+	// off (ahead by more than --older-than, it deleted rows parked just now).
+	now, err := a.Now(c.ctx)
+	if err != nil {
+		return err
+	}
+	before := now.Add(-*olderThan)
 	var statuses []string
 	if *published {
 		statuses = append(statuses, admin.StatusPublished)
@@ -947,7 +958,7 @@ const replayMargin = 24 * time.Hour
 // failed context.
 func (c *cli) forgotten(a *admin.Admin, d admin.DeadLetter) error {
 	applied := d.CreatedAt.Add(-replayMargin)
-	if applied.After(time.Now().Add(-c.processedAge)) {
+	if applied.After(clientNow().Add(-c.processedAge)) {
 		return nil
 	}
 	since, ok, err := a.ProcessedEventsKeptSince(c.ctx)

@@ -305,3 +305,52 @@ func TestPurgeKeptParkedRowsExit1(t *testing.T) {
 		t.Errorf("%d rows without parked_at left (%v), want the 1 kept", left, err)
 	}
 }
+
+// TestPurgeCutoffByDatabaseClock: the operator's machine two hours ahead of
+// the database. parked_at and published_at are the database's clock, so
+// purge --older-than 1h must not delete rows parked or published half an
+// hour ago by it (the cutoff was the machine's clock less the age: it
+// deleted both, and the dry run said it would).
+func TestPurgeCutoffByDatabaseClock(t *testing.T) {
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DATABASE_URL", dbURL)
+	old := clientNow
+	clientNow = func() time.Time { return time.Now().Add(2 * time.Hour) }
+	t.Cleanup(func() { clientNow = old })
+	conn, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload, status, parked_at, published_at)
+		VALUES ('t', '', 'PARKED', now() - interval '30 minutes', NULL), ('t', '', 'PUBLISHED', NULL, now() - interval '30 minutes'),
+		       ('t', '', 'PARKED', now() - interval '90 minutes', NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	for _, yes := range []string{"", "--yes"} {
+		args := []string{"outbox", "purge", "--parked", "--published", "--older-than", "1h"}
+		if yes != "" {
+			args = append(args, yes)
+		}
+		var stdout, stderr strings.Builder
+		if code := run(context.Background(), args, &stdout, &stderr); code != exitOK {
+			t.Fatalf("%q: exit %d\nstdout: %s\nstderr: %s", args, code, stdout.String(), stderr.String())
+		}
+		want := []string{"1 PARKED row(s)", "0 PUBLISHED row(s)"}
+		for _, w := range want {
+			if !strings.Contains(stdout.String(), w) {
+				t.Errorf("%q: stdout lacks %q:\n%s", args, w, stdout.String())
+			}
+		}
+	}
+	var left int
+	if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM idem_outbox`).Scan(&left); err != nil || left != 2 {
+		t.Errorf("%d rows left (%v), want the 2 of the last hour", left, err)
+	}
+}

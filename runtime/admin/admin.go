@@ -254,6 +254,18 @@ func (a *Admin) CountOutboxBefore(ctx context.Context, status string, before tim
 	return n, nil
 }
 
+// Now returns the database's clock, the one that sets parked_at and
+// published_at: a purge's cutoff (now less --older-than) must be taken from
+// it, since the operator's machine may be ahead of it (rows parked within
+// the difference were deleted as older than the cutoff) or behind.
+func (a *Admin) Now(ctx context.Context) (time.Time, error) {
+	now, err := a.q.DatabaseNow(ctx)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("read the database's clock: %w", err)
+	}
+	return now.Time, nil
+}
+
 // CountParkedUnknownTime counts the PARKED rows without a parking time
 // (parked_at NULL: parked by a version of the runtime without the column,
 // before the upgrade or by an older replica still running). A purge by age

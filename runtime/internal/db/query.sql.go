@@ -360,6 +360,21 @@ func (q *Queries) CountParkedOutboxUnknownTime(ctx context.Context) (int64, erro
 	return column_1, err
 }
 
+const DatabaseNow = `-- name: DatabaseNow :one
+SELECT now()::timestamptz AS now
+`
+
+// PostgreSQL's clock, which sets parked_at and published_at: idemctl's
+// purge counts its cutoff from it, not from the operator's machine (a
+// laptop clock 2 hours ahead made --older-than 1h delete rows parked a
+// minute ago).
+func (q *Queries) DatabaseNow(ctx context.Context) (pgtype.Timestamptz, error) {
+	row := q.db.QueryRow(ctx, DatabaseNow)
+	var now pgtype.Timestamptz
+	err := row.Scan(&now)
+	return now, err
+}
+
 const DeleteDeadLetter = `-- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = $1
 `
