@@ -578,8 +578,9 @@ func (c *cli) outboxPurge(args []string) error {
 		return nil
 	}
 	// A parked row without parked_at was parked by a version of the runtime
-	// without the column (before the upgrade, or by an older replica still
-	// running): how long it has been parked is unknown, so no age selects
+	// without the column before the upgrade added it (after it, the
+	// idem_outbox_parked_at trigger dates an older replica's parking): how
+	// long it has been parked is unknown, so no age selects
 	// it. It is kept, and the operator told, so that its event is neither
 	// lost unasked nor left unseen. A purge that kept rows did not do all
 	// that was asked: exit 1 (refused), like any partial "no".

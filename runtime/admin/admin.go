@@ -267,8 +267,9 @@ func (a *Admin) Now(ctx context.Context) (time.Time, error) {
 }
 
 // CountParkedUnknownTime counts the PARKED rows without a parking time
-// (parked_at NULL: parked by a version of the runtime without the column,
-// before the upgrade or by an older replica still running). A purge by age
+// (parked_at NULL: parked by a version of the runtime without the column
+// before the upgrade added it; after it, the idem_outbox_parked_at trigger
+// dates an older replica's parking). A purge by age
 // never deletes them, since how long they have been parked is unknown;
 // they go by id (PurgeParked) or by a requeue.
 func (a *Admin) CountParkedUnknownTime(ctx context.Context) (int64, error) {
