@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -158,22 +159,25 @@ func NewConsumer(store *idem.Store, cfg ConsumerConfig) (*Consumer, error) {
 // minCommitInterval is kgo's lower bound on AutoCommitInterval.
 const minCommitInterval = 100 * time.Millisecond
 
-// errRebalancePending is the cause of a poll's context cancelled because a
-// rebalance is waiting for it.
-var errRebalancePending = errors.New("a rebalance is waiting for this poll")
-
-// run is the state of one Run: the client and the poll being processed.
+// run is the state of one Run: the client and the partition workers.
 type run struct {
 	*Consumer
 	client *kgo.Client
 
 	mu      sync.Mutex
-	hurry   context.CancelCauseFunc // cancels the poll being processed
-	pending bool                    // a rebalance signalled it is waiting
+	workers map[topicPartition]*worker // the assigned partitions' workers, started by their first records
+	wake    context.CancelFunc         // cancels the poll in progress; nil between polls
+	woken   bool                       // a worker ended abnormally since the poll loop last looked
 
 	// Fetch failures, touched by Run's goroutine only.
 	fetchFailures  int                  // polls in a row that failed and returned nothing
 	unknownIDSince map[string]time.Time // topics answering UNKNOWN_TOPIC_ID, since when
+}
+
+// topicPartition names one partition.
+type topicPartition struct {
+	topic     string
+	partition int32
 }
 
 // Run consumes until ctx is cancelled, then finishes or rolls back the
@@ -181,23 +185,30 @@ type run struct {
 // group and closes the client. It returns nil after a clean shutdown. A
 // Consumer runs once.
 //
-// While a poll is processed, rebalances wait (BlockRebalanceOnPoll): this is
-// what makes every offset committed on revoke belong to a committed
-// transaction. A poll can take long — a handler retrying with backoff, or
-// the database down and the processor waiting it out — and a rebalance held
-// past the group's rebalance timeout gets this member kicked out, so a
-// waiting rebalance (OnPartitionsCallbackBlocked) cancels the poll's context:
-// the record in hand rolls back, nothing after it is marked, and each
-// partition's fetch position is moved back to its first record not done
-// (SetOffsets, before AllowRebalance, while the partition is still ours).
-// If the partition stays with this member it is fetched again from there;
-// if it moves, the new owner starts at the last committed offset. Either way
-// nothing is skipped and nothing uncommitted is marked.
+// Each assigned partition has a worker goroutine of its own that applies the
+// partition's records in order; the poll loop only hands each poll's records
+// to their partitions' workers and polls again. So a partition stuck on one
+// record (a handler retrying with backoff, a lock the record waits for, the
+// database down) holds up only that partition: the others go on being
+// fetched, applied and committed. A worker holds at most the records it is
+// applying plus one poll's worth queued behind them; while it is behind,
+// its partition is paused (PauseFetchPartitions: kgo fetches nothing more
+// for it and drops what it had buffered, without moving the fetch position)
+// and it is resumed when the worker takes the queued records.
+//
+// Rebalances wait only while a poll's records are handed out
+// (BlockRebalanceOnPoll, AllowRebalance right after), never for records to
+// be applied. A revoke cancels the workers of the revoked partitions only
+// and waits for them: the record in hand rolls back and nothing after it is
+// marked; then the marked offsets, each that of a committed transaction, are
+// committed, and the new owner starts there. Partitions not revoked
+// (cooperative rebalancing) keep running. Lost partitions' workers are
+// cancelled and waited for too; kgo drops their marks.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka consumer: Run called twice")
 	}
-	r := &run{Consumer: c, unknownIDSince: map[string]time.Time{}}
+	r := &run{Consumer: c, workers: map[topicPartition]*worker{}, unknownIDSince: map[string]time.Time{}}
 	opts := append([]kgo.Opt{}, c.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.SeedBrokers(c.cfg.Brokers...),
@@ -209,7 +220,6 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.OnPartitionsAssigned(r.onAssigned),
 		kgo.OnPartitionsRevoked(r.onRevoked),
 		kgo.OnPartitionsLost(r.onLost),
-		kgo.OnPartitionsCallbackBlocked(r.onBlocked),
 	)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
@@ -217,76 +227,345 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	r.client = cl
 	defer r.close()
+	monitorDone := make(chan struct{})
+	defer func() { <-monitorDone }()
+	monitorCtx, stopMonitor := context.WithCancel(ctx)
+	defer stopMonitor()
+	go func() {
+		defer close(monitorDone)
+		r.monitorStuck(monitorCtx)
+	}()
 	for {
-		fetches := cl.PollRecords(ctx, c.cfg.MaxPollRecords)
+		fetches := cl.PollRecords(r.pollContext(ctx), c.cfg.MaxPollRecords)
+		r.endPoll()
 		if fetches.IsClientClosed() || ctx.Err() != nil {
+			// No rebalance runs until AllowRebalance: the workers
+			// stop with the partitions still ours, and close commits
+			// their marks.
+			r.stopWorkers(func(topicPartition) bool { return true })
 			cl.AllowRebalance()
 			return nil
 		}
 		failing := r.fetchErrors(fetches)
-		pollCtx, cancel := context.WithCancelCause(ctx)
-		r.arm(cancel)
-		var (
-			wg     sync.WaitGroup
-			mu     sync.Mutex
-			rewind = map[string]map[int32]kgo.EpochOffset{}
-		)
+		rewound := r.rewindEnded()
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-			if len(p.Records) == 0 {
+			if len(p.Records) == 0 || rewound[topicPartition{p.Topic, p.Partition}] {
 				return
 			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				rewindTo := func(rec *kgo.Record) {
-					mu.Lock()
-					defer mu.Unlock()
-					if rewind[rec.Topic] == nil {
-						rewind[rec.Topic] = map[int32]kgo.EpochOffset{}
-					}
-					rewind[rec.Topic][rec.Partition] = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset}
-				}
-				// pending is the first record not marked; returned is
-				// false while this goroutine unwinds from a
-				// runtime.Goexit in code the application gave the loop
-				// (OnRecord): then the records not marked are fetched
-				// again, as for an interrupted poll. Without it the next
-				// poll went on after them, and its marks committed past
-				// them: records lost.
-				pending, returned := p.Records[0], false
-				defer func() {
-					if !returned && pending != nil {
-						c.logger.Error("the partition loop's goroutine ended (runtime.Goexit in OnRecord); its records not done will be fetched again",
-							"group", c.cfg.Group, "topic", pending.Topic, "partition", pending.Partition, "offset", pending.Offset)
-						rewindTo(pending)
-					}
-				}()
-				// One worker goroutine for the handler calls of this
-				// partition's records (see guardlane), ended with them.
-				lane, stop := guardlane.With(pollCtx)
-				defer stop()
-				if rec := r.processPartition(lane, p.Records, &pending); rec != nil {
-					rewindTo(rec)
-				}
-				returned = true
-			}()
+			r.dispatch(p)
 		})
-		wg.Wait()
-		cause := context.Cause(pollCtx)
-		r.disarm()
-		cancel(nil)
-		if ctx.Err() != nil {
-			cl.AllowRebalance()
-			return nil
-		}
-		if len(rewind) > 0 {
-			c.logger.Info("poll interrupted; records not done will be fetched again", "group", c.cfg.Group,
-				"cause", cause, "from", fmt.Sprint(rewind))
-			cl.SetOffsets(rewind)
-		}
 		cl.AllowRebalance()
 		if err := r.backOffFetchErrors(ctx, failing, fetches.NumRecords() > 0); err != nil {
+			r.stopWorkers(func(topicPartition) bool { return true })
 			return nil
+		}
+	}
+}
+
+// pollContext returns the context of the next poll: ctx, cancelled early
+// when a worker ends abnormally (wakePoll), so that the poll loop moves its
+// partition's fetch position back without waiting for new records.
+func (r *run) pollContext(ctx context.Context) context.Context {
+	pollCtx, cancel := context.WithCancel(ctx)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.wake = cancel
+	if r.woken {
+		r.woken = false
+		cancel()
+	}
+	return pollCtx
+}
+
+func (r *run) endPoll() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.wake()
+	r.wake = nil
+}
+
+// wakePoll makes the poll loop look at the workers now: the poll in
+// progress returns (with no records), or the next one does at once.
+func (r *run) wakePoll() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.woken = true
+	if r.wake != nil {
+		r.wake()
+	}
+}
+
+// dispatch hands a partition's polled records to its worker, starting the
+// worker if the partition has none, and pauses the partition if the worker
+// is behind. Called by the poll loop before AllowRebalance, so no revoke
+// runs meanwhile; it never blocks.
+func (r *run) dispatch(p kgo.FetchTopicPartition) {
+	key := topicPartition{p.Topic, p.Partition}
+	r.mu.Lock()
+	w := r.workers[key]
+	if w == nil {
+		w = r.startWorker(key)
+		r.workers[key] = w
+	}
+	r.mu.Unlock()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.ended {
+		// The worker ended abnormally after rewindEnded looked: the next
+		// poll moves the fetch position back to its first record not
+		// marked, which comes before these.
+		if w.rewindTo == nil {
+			w.rewindTo = p.Records[0]
+		}
+		return
+	}
+	behind := w.busy || len(w.queued) > 0
+	w.queued = append(w.queued, p.Records...)
+	if behind && !w.paused {
+		w.paused = true
+		r.client.PauseFetchPartitions(map[string][]int32{key.topic: {key.partition}})
+	}
+	select {
+	case w.more <- struct{}{}:
+	default:
+	}
+}
+
+// rewindEnded handles the workers that ended abnormally (a runtime.Goexit
+// in OnRecord): it moves each one's partition's fetch position back to its
+// first record not marked, drops the worker (the partition's next records
+// start a fresh one) and returns the partitions whose records in the poll
+// at hand must not be dispatched: they are fetched again. Called by the
+// poll loop before AllowRebalance: SetOffsets must not race a revoke.
+func (r *run) rewindEnded() map[topicPartition]bool {
+	r.mu.Lock()
+	var ended []*worker
+	for key, w := range r.workers {
+		w.mu.Lock()
+		if w.ended {
+			ended = append(ended, w)
+			delete(r.workers, key)
+		}
+		w.mu.Unlock()
+	}
+	r.mu.Unlock()
+	if len(ended) == 0 {
+		return nil
+	}
+	rewound := map[topicPartition]bool{}
+	to := map[string]map[int32]kgo.EpochOffset{}
+	for _, w := range ended {
+		<-w.done
+		rewound[w.key] = true
+		if rec := w.rewindTo; rec != nil {
+			if to[rec.Topic] == nil {
+				to[rec.Topic] = map[int32]kgo.EpochOffset{}
+			}
+			to[rec.Topic][rec.Partition] = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset}
+		}
+		w.unpause()
+	}
+	r.logger.Info("records not done will be fetched again", "group", r.cfg.Group, "from", fmt.Sprint(to))
+	r.client.SetOffsets(to)
+	return rewound
+}
+
+// stopWorkers cancels the workers of the partitions match selects, waits
+// for them to end and drops them. A worker's record in hand rolls back and
+// nothing after it is marked; its queued records are dropped (the partition
+// is leaving, or its fetch position was invalidated, or the consumer is
+// shutting down: the next owner starts at the committed offset).
+func (r *run) stopWorkers(match func(topicPartition) bool) {
+	r.mu.Lock()
+	var stop []*worker
+	for key, w := range r.workers {
+		if match(key) {
+			stop = append(stop, w)
+			delete(r.workers, key)
+		}
+	}
+	r.mu.Unlock()
+	for _, w := range stop {
+		w.cancel()
+	}
+	for _, w := range stop {
+		<-w.done
+		w.unpause()
+	}
+}
+
+// inMap returns a match function for stopWorkers selecting the partitions
+// of m.
+func inMap(m map[string][]int32) func(topicPartition) bool {
+	return func(key topicPartition) bool { return slices.Contains(m[key.topic], key.partition) }
+}
+
+// worker applies one partition's records, in order, on a goroutine of its
+// own that lives as long as the partition is assigned (or until it is
+// cancelled).
+type worker struct {
+	r      *run
+	key    topicPartition
+	ctx    context.Context
+	cancel context.CancelFunc
+	more   chan struct{} // signalled when records are queued
+	done   chan struct{} // closed when the goroutine has ended
+
+	mu       sync.Mutex
+	queued   []*kgo.Record // handed over by the poll loop, not yet taken
+	busy     bool          // applying taken records
+	paused   bool          // its partition is paused (by dispatch)
+	ended    bool          // the goroutine ended abnormally; the poll loop rewinds
+	rewindTo *kgo.Record   // when ended: the first record not marked
+	warned   bool          // the monitor warned that it is stuck
+
+	// For the stuck monitor: when the worker last finished a chunk or
+	// took records, and the offset of the first record not done.
+	progress atomic.Int64 // unix nanoseconds
+	pending  atomic.Int64
+}
+
+func (r *run) startWorker(key topicPartition) *worker {
+	ctx, cancel := context.WithCancel(context.Background())
+	w := &worker{r: r, key: key, ctx: ctx, cancel: cancel, more: make(chan struct{}, 1), done: make(chan struct{})}
+	go w.loop()
+	return w
+}
+
+// loop takes the queued records and applies them until cancelled.
+//
+// pending is the first record taken and not marked; returned is false while
+// the goroutine unwinds from a runtime.Goexit in code the application gave
+// the loop (OnRecord): then the records not marked, and those queued, are
+// fetched again (rewindEnded). Without it the partition's later records went
+// on after them, and their marks committed past them: records lost.
+func (w *worker) loop() {
+	var pending *kgo.Record
+	returned := false
+	defer func() {
+		if !returned {
+			w.mu.Lock()
+			w.ended = true
+			w.rewindTo = pending
+			if w.rewindTo == nil && len(w.queued) > 0 {
+				w.rewindTo = w.queued[0]
+			}
+			w.queued = nil
+			w.mu.Unlock()
+			if w.rewindTo != nil {
+				w.r.logger.Error("a partition worker ended before its records were done (runtime.Goexit in OnRecord); they will be fetched again",
+					"group", w.r.cfg.Group, "topic", w.key.topic, "partition", w.key.partition, "offset", w.rewindTo.Offset)
+			}
+		}
+		close(w.done)
+		if !returned {
+			w.r.wakePoll()
+		}
+	}()
+	for {
+		recs := w.take()
+		if recs == nil {
+			returned = true
+			return
+		}
+		pending = recs[0]
+		if rec := w.apply(recs, &pending); rec != nil {
+			returned = w.ctx.Err() != nil // else: not cancelled, yet not done; fetch it again
+			return
+		}
+	}
+}
+
+// take returns the queued records, waiting for some; nil once cancelled.
+// Taking them resumes the partition if dispatch paused it.
+func (w *worker) take() []*kgo.Record {
+	for {
+		if w.ctx.Err() != nil {
+			return nil
+		}
+		w.mu.Lock()
+		if recs := w.queued; len(recs) > 0 {
+			w.queued, w.busy = nil, true
+			w.progress.Store(time.Now().UnixNano())
+			w.pending.Store(recs[0].Offset)
+			w.unpauseLocked()
+			w.mu.Unlock()
+			return recs
+		}
+		w.busy = false
+		w.mu.Unlock()
+		select {
+		case <-w.more:
+		case <-w.ctx.Done():
+			return nil
+		}
+	}
+}
+
+// apply runs processPartition on a guardlane of its own, ended with the
+// records (no lane worker is left idle between polls).
+func (w *worker) apply(recs []*kgo.Record, pending **kgo.Record) *kgo.Record {
+	lane, stop := guardlane.With(w.ctx)
+	defer stop()
+	return w.r.processPartition(lane, w, recs, pending)
+}
+
+func (w *worker) unpause() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.unpauseLocked()
+}
+
+func (w *worker) unpauseLocked() {
+	if w.paused {
+		w.paused = false
+		w.r.client.ResumeFetchPartitions(map[string][]int32{w.key.topic: {w.key.partition}})
+	}
+}
+
+// stuckWarnAfter is how long a partition's worker may go without finishing a
+// record before the monitor warns (once per stuck spell); nanoseconds,
+// atomic so that a test can shorten it.
+var stuckWarnAfter atomic.Int64
+
+func init() { stuckWarnAfter.Store(int64(30 * time.Second)) }
+
+// monitorStuck warns, once per spell, about each partition whose worker has
+// done no record for stuckWarnAfter while it has records, and says when it
+// moves again. One look every stuckWarnAfter/4; nothing per record.
+func (r *run) monitorStuck(ctx context.Context) {
+	after := time.Duration(stuckWarnAfter.Load())
+	t := time.NewTicker(max(after/4, 10*time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		r.mu.Lock()
+		ws := make([]*worker, 0, len(r.workers))
+		for _, w := range r.workers {
+			ws = append(ws, w)
+		}
+		r.mu.Unlock()
+		now := time.Now()
+		for _, w := range ws {
+			idle := now.Sub(time.Unix(0, w.progress.Load()))
+			w.mu.Lock()
+			stuck := w.busy && idle >= after
+			warn, moving := stuck && !w.warned, !stuck && w.warned
+			w.warned = stuck
+			queued := len(w.queued)
+			w.mu.Unlock()
+			if warn {
+				r.logger.Warn("partition stuck: no record done for a while; the other partitions go on",
+					"group", r.cfg.Group, "topic", w.key.topic, "partition", w.key.partition,
+					"offset", w.pending.Load(), "for", idle.Round(time.Millisecond), "queued", queued)
+			}
+			if moving {
+				r.logger.Info("partition moving again", "group", r.cfg.Group, "topic", w.key.topic, "partition", w.key.partition)
+			}
 		}
 	}
 }
@@ -383,43 +662,20 @@ func (r *run) recoverRecreatedTopic(topic string) {
 	r.client.AddConsumeTopics(topic)
 }
 
-// arm makes cancel the poll's hurry; a rebalance that signalled while no
-// poll was armed cancels it at once.
-func (r *run) arm(cancel context.CancelCauseFunc) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.hurry = cancel
-	if r.pending {
-		cancel(errRebalancePending)
-	}
-}
-
-func (r *run) disarm() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.hurry, r.pending = nil, false
-}
-
-// onBlocked is kgo's signal that a rebalance (assign, revoke or loss) is
-// waiting for the poll being processed: end its waits now.
-func (r *run) onBlocked(context.Context, *kgo.Client) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.pending = true
-	if r.hurry != nil {
-		r.hurry(errRebalancePending)
-	}
-}
-
 func (r *run) onAssigned(_ context.Context, _ *kgo.Client, assigned map[string][]int32) {
 	r.logger.Info("partitions assigned", "group", r.cfg.Group, "partitions", fmt.Sprint(assigned))
 }
 
-// onRevoked commits what is marked before the partitions go to another
-// member. It runs between polls (BlockRebalanceOnPoll), so every marked
-// offset belongs to a committed transaction.
+// onRevoked stops the revoked partitions' workers, then commits what is
+// marked before the partitions go to another member. A worker stops at its
+// record in hand (which rolls back) and marks nothing after it, so every
+// marked offset belongs to a committed transaction. The other partitions'
+// workers (cooperative rebalancing) keep running. The wait is short: the
+// processor's waits (retry backoff, outage, the handler's own statements)
+// end with the worker's context.
 func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
 	r.logger.Info("partitions revoked", "group", r.cfg.Group, "partitions", fmt.Sprint(revoked))
+	r.stopWorkers(inMap(revoked))
 	if err := cl.CommitMarkedOffsets(ctx); err != nil {
 		r.logger.Warn("commit on revoke failed; the new owner re-reads from the last commit and skips duplicates",
 			"group", r.cfg.Group, "partitions", fmt.Sprint(revoked), "err", err)
@@ -427,20 +683,22 @@ func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string]
 }
 
 // onLost: the partitions are gone without a chance to commit (session
-// expired); their marks are dropped by kgo and the new owner re-reads from
-// the last commit, skipping duplicates.
+// expired); their workers are stopped (and waited for, so none marks into a
+// later assignment), their marks are dropped by kgo, and the new owner
+// re-reads from the last commit, skipping duplicates.
 func (r *run) onLost(_ context.Context, _ *kgo.Client, lost map[string][]int32) {
 	r.logger.Warn("partitions lost", "group", r.cfg.Group, "partitions", fmt.Sprint(lost))
+	r.stopWorkers(inMap(lost))
 }
 
 // processPartition applies one partition's records in order, marking each
 // chunk's offset after every handler is done with it. When ctx is cancelled
-// (shutdown, or a rebalance waiting) it stops and returns the first record
-// not done, which is not marked and must be fetched again; nil when every
-// record is done.
+// (shutdown, or the partition revoked or lost) it stops and returns the
+// first record not done, which is not marked; nil when every record is done.
 //
-// *pending is kept at the first record not marked (nil once all are).
-func (r *run) processPartition(ctx context.Context, recs []*kgo.Record, pending **kgo.Record) *kgo.Record {
+// *pending is kept at the first record not marked (nil once all are), and
+// w's progress at the last chunk done.
+func (r *run) processPartition(ctx context.Context, w *worker, recs []*kgo.Record, pending **kgo.Record) *kgo.Record {
 	for start := 0; start < len(recs); start += r.cfg.BatchSize {
 		chunk := recs[start:min(start+r.cfg.BatchSize, len(recs))]
 		irecs := make([]*idem.Record, len(chunk))
@@ -476,7 +734,9 @@ func (r *run) processPartition(ctx context.Context, recs []*kgo.Record, pending 
 		*pending = nil
 		if end := start + len(chunk); end < len(recs) {
 			*pending = recs[end]
+			w.pending.Store(recs[end].Offset)
 		}
+		w.progress.Store(time.Now().UnixNano())
 	}
 	return nil
 }

@@ -123,10 +123,13 @@ func TestLaneShutdownDuringResumedBackoff(t *testing.T) {
 	waitBounded(t, 10*time.Second, "no lane worker after shutdown", func() bool { return laneWorkerCount(t) == 0 })
 }
 
-// A rebalance (a second member joins) while a record that Goexited waits
-// out an hour's backoff: the poll is hurried, the record rolled back and
-// fetched again by whoever owns its partition, and every record ends
-// applied exactly once, well within the hour.
+// A rebalance (a second member joins) while records that Goexited wait out
+// an hour's backoff, one on each partition: the rebalance is not held up,
+// the partition that moves is rolled back at its stuck record and applied
+// by the new member; the one that stays waits (a rebalance touches only
+// what it moves) until its member shuts down, promptly, and the other
+// member applies it. Every record ends applied exactly once, well within
+// the hour.
 func TestLaneRebalanceDuringResumedBackoff(t *testing.T) {
 	t.Parallel()
 	addrs := cluster(t, 2, "orders")
@@ -136,16 +139,22 @@ func TestLaneRebalanceDuringResumedBackoff(t *testing.T) {
 	retry := idem.RetryPolicy{MaxAttempts: 3, Initial: time.Hour, Max: time.Hour}
 	cfg := kafka.ConsumerConfig{Brokers: addrs, Group: "rdb",
 		Handlers: []idem.EventHandler{orderConsumer("orders", g.handle)}, Retry: retry}
-	startConsumer(t, pool, cfg, nil)
-	select {
-	case <-g.goexited:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the handler never Goexited")
+	ra := startConsumer(t, pool, cfg, nil)
+	waitBounded(t, 30*time.Second, "both partitions stuck (rdb-4 and rdb-5 Goexited)", func() bool {
+		return g.calls("rdb-4") == 1 && g.calls("rdb-5") == 1
+	})
+	time.Sleep(100 * time.Millisecond) // into the hour's backoff
+	rb := startConsumer(t, pool, cfg, nil)
+	// The moved partition's 3 records from its stuck one, and the 2 before
+	// each stuck record.
+	waitBounded(t, 30*time.Second, "the moved partition's records", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= 7 })
+	start := time.Now()
+	ra.shutdown(t)
+	if d := time.Since(start); d > 15*time.Second {
+		t.Fatalf("shutdown took %v", d)
 	}
-	time.Sleep(100 * time.Millisecond)
-	startConsumer(t, pool, cfg, nil)
-	waitBounded(t, 60*time.Second, "every record", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= 10 })
-	time.Sleep(200 * time.Millisecond)
+	waitBounded(t, 30*time.Second, "every record", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= 10 })
+	rb.shutdown(t)
 	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 10 {
 		t.Fatalf("%d effects, want 10 (each once)", n)
 	}
