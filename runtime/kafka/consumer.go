@@ -97,6 +97,7 @@ type Consumer struct {
 	topics  []string
 	logger  *slog.Logger
 	started atomic.Bool
+	running atomic.Pointer[run] // the Run in progress, for tests
 }
 
 // NewConsumer validates cfg and returns a Consumer on store; it keeps a copy
@@ -226,6 +227,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return fmt.Errorf("kafka consumer: %w", err)
 	}
 	r.client = cl
+	c.running.Store(r)
 	defer r.close()
 	monitorDone := make(chan struct{})
 	defer func() { <-monitorDone }()
@@ -413,6 +415,7 @@ type worker struct {
 
 	mu       sync.Mutex
 	queued   []*kgo.Record // handed over by the poll loop, not yet taken
+	taken    int           // how many records the worker took last
 	busy     bool          // applying taken records
 	paused   bool          // its partition is paused (by dispatch)
 	ended    bool          // the goroutine ended abnormally; the poll loop rewinds
@@ -485,7 +488,7 @@ func (w *worker) take() []*kgo.Record {
 		}
 		w.mu.Lock()
 		if recs := w.queued; len(recs) > 0 {
-			w.queued, w.busy = nil, true
+			w.queued, w.busy, w.taken = nil, true, len(recs)
 			w.progress.Store(time.Now().UnixNano())
 			w.pending.Store(recs[0].Offset)
 			w.unpauseLocked()

@@ -1,0 +1,30 @@
+package kafka
+
+import "time"
+
+// WorkerHolds reports what the worker of a partition of c's running Run
+// holds: the records it took last (applying them while busy), the records
+// queued behind them, and whether its partition is paused; ok is false when
+// the partition has no worker.
+func WorkerHolds(c *Consumer, topic string, partition int32) (taken, queued int, busy, paused, ok bool) {
+	r := c.running.Load()
+	if r == nil {
+		return 0, 0, false, false, false
+	}
+	r.mu.Lock()
+	w := r.workers[topicPartition{topic, partition}]
+	r.mu.Unlock()
+	if w == nil {
+		return 0, 0, false, false, false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.taken, len(w.queued), w.busy, w.paused, true
+}
+
+// SetStuckWarnAfter sets how long a partition may do no record before it is
+// reported stuck, for the Runs started after it; restore sets it back.
+func SetStuckWarnAfter(d time.Duration) (restore func()) {
+	old := stuckWarnAfter.Swap(int64(d))
+	return func() { stuckWarnAfter.Store(old) }
+}
