@@ -76,7 +76,8 @@ type ConsumerConfig struct {
 	// The options the delivery guarantee rests on are always set by Run and
 	// must not be overridden: ConsumerGroup, ConsumeTopics, AutoCommitMarks,
 	// BlockRebalanceOnPoll, OnPartitionsAssigned, OnPartitionsRevoked,
-	// OnPartitionsLost, OnPartitionsCallbackBlocked.
+	// OnPartitionsLost. Pausing the consumed partitions
+	// (PauseFetchPartitions) is Run's too.
 	ClientOpts []kgo.Opt
 }
 
@@ -86,10 +87,9 @@ type ConsumerConfig struct {
 // Per record: in one transaction, the processed-event row and the handler's
 // writes commit (or a duplicate is skipped); only then is the record's offset
 // marked, and marked offsets are committed per partition, in order, every
-// CommitInterval, on revocation and on shutdown. Rebalances are blocked while
-// a poll is being processed, so no commit crosses a rebalance; a rebalance
-// that is waiting interrupts the poll (see Run). Partitions of one poll are
-// processed concurrently, records within a partition in order.
+// CommitInterval, on revocation and on shutdown. Each partition is applied
+// by a worker goroutine of its own, records in order, independently of the
+// others: one stuck partition holds up no other (see Run).
 type Consumer struct {
 	cfg     ConsumerConfig
 	proc    *idem.Processor
@@ -168,7 +168,7 @@ type run struct {
 	mu      sync.Mutex
 	workers map[topicPartition]*worker // the assigned partitions' workers, started by their first records
 	wake    context.CancelFunc         // cancels the poll in progress; nil between polls
-	woken   bool                       // a worker ended abnormally since the poll loop last looked
+	woken   bool                       // wakePoll was called between polls: end the next one at once
 
 	// Fetch failures, touched by Run's goroutine only.
 	fetchFailures  int                  // polls in a row that failed and returned nothing
@@ -195,7 +195,8 @@ type topicPartition struct {
 // applying plus one poll's worth queued behind them; while it is behind,
 // its partition is paused (PauseFetchPartitions: kgo fetches nothing more
 // for it and drops what it had buffered, without moving the fetch position)
-// and it is resumed when the worker takes the queued records.
+// and it is resumed when the worker takes the queued records (and its fetch
+// restarted if it waits for them, see kickResumed).
 //
 // Rebalances wait only while a poll's records are handed out
 // (BlockRebalanceOnPoll, AllowRebalance right after), never for records to
@@ -205,6 +206,12 @@ type topicPartition struct {
 // committed, and the new owner starts there. Partitions not revoked
 // (cooperative rebalancing) keep running. Lost partitions' workers are
 // cancelled and waited for too; kgo drops their marks.
+//
+// A runtime.Goexit in OnRecord ends the partition's worker: the poll loop
+// moves the partition's fetch position back to its first record not marked
+// (SetOffsets, before AllowRebalance, while the partition is surely ours),
+// drops what the worker had queued, and a fresh worker starts with the
+// partition's next records.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka consumer: Run called twice")
@@ -238,7 +245,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		r.monitorStuck(monitorCtx)
 	}()
 	for {
-		fetches := cl.PollRecords(r.pollContext(ctx), c.cfg.MaxPollRecords)
+		fetches := cl.PollRecords(r.pollContext(ctx, r.kickDue()), c.cfg.MaxPollRecords)
 		r.endPoll()
 		if fetches.IsClientClosed() || ctx.Err() != nil {
 			// No rebalance runs until AllowRebalance: the workers
@@ -256,6 +263,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			}
 			r.dispatch(p)
 		})
+		r.kickResumed()
 		cl.AllowRebalance()
 		if err := r.backOffFetchErrors(ctx, failing, fetches.NumRecords() > 0); err != nil {
 			r.stopWorkers(func(topicPartition) bool { return true })
@@ -264,11 +272,20 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
-// pollContext returns the context of the next poll: ctx, cancelled early
-// when a worker ends abnormally (wakePoll), so that the poll loop moves its
-// partition's fetch position back without waiting for new records.
-func (r *run) pollContext(ctx context.Context) context.Context {
-	pollCtx, cancel := context.WithCancel(ctx)
+// pollContext returns the context of the next poll: ctx, cancelled early by
+// wakePoll (a worker ended abnormally and its partition's fetch position must
+// be moved back, or a worker resumed its partition and the poll must end in
+// time for kickResumed), without waiting for new records.
+//
+// A non-zero until also ends the poll then (see kickResumed).
+func (r *run) pollContext(ctx context.Context, until time.Time) context.Context {
+	var pollCtx context.Context
+	var cancel context.CancelFunc
+	if until.IsZero() {
+		pollCtx, cancel = context.WithCancel(ctx)
+	} else {
+		pollCtx, cancel = context.WithDeadline(ctx, until)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.wake = cancel
@@ -291,9 +308,10 @@ func (r *run) endPoll() {
 func (r *run) wakePoll() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.woken = true
 	if r.wake != nil {
 		r.wake()
+	} else {
+		r.woken = true
 	}
 }
 
@@ -323,6 +341,9 @@ func (r *run) dispatch(p kgo.FetchTopicPartition) {
 	}
 	behind := w.busy || len(w.queued) > 0
 	w.queued = append(w.queued, p.Records...)
+	last := p.Records[len(p.Records)-1]
+	w.next = kgo.EpochOffset{Epoch: last.LeaderEpoch, Offset: last.Offset + 1}
+	w.resumedAt = time.Time{}
 	if behind && !w.paused {
 		w.paused = true
 		r.client.PauseFetchPartitions(map[string][]int32{key.topic: {key.partition}})
@@ -421,6 +442,11 @@ type worker struct {
 	ended    bool          // the goroutine ended abnormally; the poll loop rewinds
 	rewindTo *kgo.Record   // when ended: the first record not marked
 	warned   bool          // the monitor warned that it is stuck
+	// next is the fetch position after the last record dispatched;
+	// resumedAt is when take resumed the partition, zero once records
+	// came for it again (or it was kicked).
+	next      kgo.EpochOffset
+	resumedAt time.Time
 
 	// For the stuck monitor: when the worker last finished a chunk or
 	// took records, and the offset of the first record not done.
@@ -491,8 +517,15 @@ func (w *worker) take() []*kgo.Record {
 			w.queued, w.busy, w.taken = nil, true, len(recs)
 			w.progress.Store(time.Now().UnixNano())
 			w.pending.Store(recs[0].Offset)
-			w.unpauseLocked()
+			resumed := w.paused
+			if resumed {
+				w.unpauseLocked()
+				w.resumedAt = time.Now()
+			}
 			w.mu.Unlock()
+			if resumed {
+				w.r.wakePoll() // to poll with a deadline for the kick
+			}
 			return recs
 		}
 		w.busy = false
@@ -523,6 +556,64 @@ func (w *worker) unpauseLocked() {
 	if w.paused {
 		w.paused = false
 		w.r.client.ResumeFetchPartitions(map[string][]int32{w.key.topic: {w.key.partition}})
+	}
+}
+
+// resumeKickAfter is how long a resumed partition may wait for its records
+// while the poll loop gets none before kickResumed restarts the fetch.
+const resumeKickAfter = 100 * time.Millisecond
+
+// kickDue returns when the poll loop must stop waiting for records to kick
+// a resumed partition (kickResumed); zero if none waits.
+func (r *run) kickDue() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var due time.Time
+	for _, w := range r.workers {
+		w.mu.Lock()
+		if at := w.resumedAt; !at.IsZero() && (due.IsZero() || at.Before(due)) {
+			due = at
+		}
+		w.mu.Unlock()
+	}
+	if due.IsZero() {
+		return due
+	}
+	return due.Add(resumeKickAfter)
+}
+
+// kickResumed moves the fetch position of each partition resumed at least
+// resumeKickAfter ago and still without records to where it is
+// (SetOffsets), which makes kgo fetch it at once. Without it, a resumed
+// partition is fetched only after the fetch in flight to its broker ends:
+// for a broker whose other partitions are idle, a long poll of FetchMaxWait
+// (5s by default), which a partition behind on a backlog paid at every
+// pause. SetOffsets restarts kgo's fetch session (buffered fetches are
+// dropped and fetched again from their unchanged positions), so it is done
+// only for a partition that waited. Called by the poll loop before
+// AllowRebalance, after dispatch (the position includes what was
+// dispatched).
+func (r *run) kickResumed() {
+	now := time.Now()
+	var to map[string]map[int32]kgo.EpochOffset
+	r.mu.Lock()
+	for key, w := range r.workers {
+		w.mu.Lock()
+		if at := w.resumedAt; !at.IsZero() && now.Sub(at) >= resumeKickAfter && !w.paused && !w.ended {
+			w.resumedAt = time.Time{}
+			if to == nil {
+				to = map[string]map[int32]kgo.EpochOffset{}
+			}
+			if to[key.topic] == nil {
+				to[key.topic] = map[int32]kgo.EpochOffset{}
+			}
+			to[key.topic][key.partition] = w.next
+		}
+		w.mu.Unlock()
+	}
+	r.mu.Unlock()
+	if to != nil {
+		r.client.SetOffsets(to)
 	}
 }
 
@@ -584,8 +675,8 @@ func (r *run) fetchErrors(fetches kgo.Fetches) bool {
 	failing := false
 	unknownID := map[string]bool{}
 	fetches.EachError(func(topic string, p int32, err error) {
-		if errors.Is(err, context.Canceled) {
-			return
+		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+			return // the poll's own context: shutdown, wakePoll or kickDue
 		}
 		failing = true
 		if errors.Is(err, kerr.UnknownTopicID) {

@@ -1,0 +1,75 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// BenchmarkConsumerSkewed consumes a backlog on one partition of two while
+// the other is idle, per record, with kgo's default FetchMaxWait (5s): the
+// case where pausing a partition that is behind costs most, because a
+// fetch in flight for the idle partition alone waits out FetchMaxWait
+// before the resumed partition is fetched again. It reports records a
+// second, from the first record applied to the last.
+func BenchmarkConsumerSkewed(b *testing.B) {
+	const records = 3000
+	addrs := cluster(b, 2, "orders")
+	pool := db(b)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cl.Close()
+	var recs []*kgo.Record
+	for i := range records {
+		r := orderRecord("orders", order{EventID: fmt.Sprintf("sk-%d", i), Amount: 1})
+		r.Partition = 0
+		recs = append(recs, r)
+	}
+	produce(b, cl, recs...)
+	var mu sync.Mutex
+	var first, last time.Time
+	done := 0
+	finished := make(chan struct{})
+	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{Brokers: addrs, Group: "skew",
+		Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)},
+		OnRecord: func(*idem.EventHandler, *idem.Record, idem.Outcome) {
+			mu.Lock()
+			defer mu.Unlock()
+			now := time.Now()
+			if done == 0 {
+				first = now
+			}
+			last = now
+			if done++; done == records {
+				close(finished)
+			}
+		},
+		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	runDone := make(chan struct{})
+	go func() { _ = c.Run(ctx); close(runDone) }()
+	select {
+	case <-finished:
+	case <-time.After(5 * time.Minute):
+		b.Fatalf("%d of %d records in 5 minutes", done, records)
+	}
+	cancel()
+	<-runDone
+	d := last.Sub(first)
+	b.ReportMetric(records/d.Seconds(), "rec/s")
+	b.Logf("%d records on one partition in %v: %.0f rec/s; effects %d", records, d, records/d.Seconds(),
+		pgtest.Count(b, pool, `SELECT count(*) FROM effects`))
+}
