@@ -2,17 +2,14 @@ package kafka_test
 
 import (
 	"bytes"
-	"context"
 	"runtime"
 	"runtime/pprof"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
-	"github.com/jackc/pgx/v5"
 )
 
 // laneWorkerCount counts goroutines running a guardlane worker.
@@ -33,20 +30,24 @@ func TestAttack4ConsumerLeavesNoLaneWorker(t *testing.T) {
 	addrs := cluster(t, 3, "orders")
 	pool := db(t)
 	produceOrders(t, addrs, 3, 30, "lw")
-	var calls atomic.Int64
-	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		switch n := calls.Add(1); {
-		case n == 2:
+	// Each failure on the first call of its own record: the partitions'
+	// workers run concurrently, so a count over all calls could put all
+	// three on one record, which used its budget of 3 and was
+	// dead-lettered.
+	var calls perEvent
+	handler := calls.applyThen(func(ev order, n int) error {
+		switch {
+		case ev.EventID == "lw-1" && n == 1:
 			runtime.Goexit()
-		case n == 5:
+		case ev.EventID == "lw-4" && n == 1:
 			defer func() { recover() }()
 			defer func() { panic("during goexit") }()
 			runtime.Goexit()
-		case n == 8:
+		case ev.EventID == "lw-7" && n == 1:
 			panic("plain")
 		}
-		return applyOrder(ctx, tx, ev)
-	}
+		return nil
+	})
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
 		MaxPollRecords: 4, Retry: idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond}}, nil)
 	waitBounded(t, 30*time.Second, "every event", func() bool { return count(t, pool, `SELECT count(*) FROM effects`) >= 30 })
