@@ -170,6 +170,7 @@ const minCommitInterval = 100 * time.Millisecond
 type run struct {
 	*Consumer
 	client *kgo.Client
+	ctx    context.Context // Run's: the workers' contexts derive from it (its values, its end)
 
 	mu      sync.Mutex
 	workers map[topicPartition]*worker // the assigned partitions' workers, started by their first records
@@ -225,7 +226,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka consumer: Run called twice")
 	}
-	r := &run{Consumer: c, workers: map[topicPartition]*worker{}, unknownIDSince: map[string]time.Time{}}
+	r := &run{Consumer: c, ctx: ctx, workers: map[topicPartition]*worker{}, unknownIDSince: map[string]time.Time{}}
 	// A default the application's ClientOpts, after it, override: a
 	// partition resumed after a pause waits for the fetch in flight to its
 	// broker, up to FetchMaxWait when the broker's other partitions are
@@ -456,7 +457,7 @@ type worker struct {
 }
 
 func (r *run) startWorker(key topicPartition) *worker {
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(r.ctx)
 	w := &worker{r: r, key: key, ctx: ctx, cancel: cancel, more: make(chan struct{}, 1), done: make(chan struct{})}
 	go w.loop()
 	return w
