@@ -188,8 +188,9 @@ func TestShutdownDuringDBOutage(t *testing.T) {
 }
 
 // Issue 8 item 2: a rebalance while a member waits out a database outage. The
-// waiting member must let the rebalance through (kgo's
-// OnPartitionsCallbackBlocked ends its wait) so the joining member gets a
+// waiting member must let the rebalance through (the poll loop holds a
+// rebalance only while it hands out a poll's records; a revoked partition's
+// worker is cancelled, which ends its wait) so the joining member gets a
 // partition while the database is still down; before, the poll held the
 // rebalance until the database came back (or the rebalance timeout kicked
 // the member out). After recovery every event is applied once, nothing is
