@@ -25,8 +25,12 @@ import (
 
 // TestMain lets this test binary double as a relay process: with
 // IDEM_RELAY_CHILD=1 it runs relayChild instead of the tests, so the
-// takeover tests can SIGKILL and SIGSTOP a real process.
+// takeover tests can SIGKILL and SIGSTOP a real process; with
+// IDEM_CONSUMER_CHILD=1 it runs consumerChild (attackpw_crash_test.go).
 func TestMain(m *testing.M) {
+	if os.Getenv("IDEM_CONSUMER_CHILD") == "1" { // before the relay's: startRelayProc sets IDEM_RELAY_CHILD
+		os.Exit(consumerChild())
+	}
 	if os.Getenv("IDEM_RELAY_CHILD") == "1" {
 		os.Exit(relayChild())
 	}

@@ -1,0 +1,148 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// consumerChild runs a consumer of "orders" on IDEM_DB_URL and IDEM_BROKERS
+// (group "crash", MaxPollRecords 10, BatchSize IDEM_BATCH or 1) until
+// SIGTERM. Every record's transaction holds for a few milliseconds
+// (pg_sleep) so that a SIGKILL lands mid-transaction; the record
+// IDEM_STUCK, the first time, waits for its context (its partition stuck,
+// paused behind a backlog) after printing "STUCK <id>".
+func consumerChild() int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	pool, err := pgxpool.New(ctx, os.Getenv("IDEM_DB_URL"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pool:", err)
+		return 2
+	}
+	defer pool.Close()
+	stuckID := os.Getenv("IDEM_STUCK")
+	var once sync.Once
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == stuckID {
+			stuck := false
+			once.Do(func() { stuck = true })
+			if stuck {
+				fmt.Println("STUCK", ev.EventID)
+				<-ctx.Done()
+				return ctx.Err()
+			}
+		}
+		if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.003)`); err != nil {
+			return err
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	batch := 1
+	if os.Getenv("IDEM_BATCH") != "" {
+		fmt.Sscan(os.Getenv("IDEM_BATCH"), &batch)
+	}
+	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{
+		Brokers: strings.Split(os.Getenv("IDEM_BROKERS"), ","), Group: "crash",
+		MaxPollRecords: 10, BatchSize: batch, CommitInterval: 100 * time.Millisecond,
+		Handlers:   []idem.EventHandler{orderConsumer("orders", handler)},
+		Logger:     slog.New(slog.NewTextHandler(os.Stderr, nil)),
+		// A killed member's partitions wait for its session to expire.
+		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+			kgo.SessionTimeout(6 * time.Second), kgo.HeartbeatInterval(500 * time.Millisecond)},
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "consumer:", err)
+		return 2
+	}
+	fmt.Println("RUNNING")
+	if err := c.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "run:", err)
+		return 1
+	}
+	return 0
+}
+
+// A real consumer process is SIGKILLed three times while one partition is
+// stuck (paused behind a backlog) and the others are applying records (each
+// transaction open for a few milliseconds), with records arriving all the
+// while; a fourth process finishes. Every record is applied exactly once, in
+// order per partition, and the committed offsets are the log ends. With
+// BatchSize 1 and 4.
+func TestAttackPWCrashWhilePaused(t *testing.T) {
+	for _, batch := range []int{1, 4} {
+		t.Run(fmt.Sprint("batch", batch), func(t *testing.T) {
+			t.Parallel()
+			testCrashWhilePaused(t, batch)
+		})
+	}
+}
+
+func testCrashWhilePaused(t *testing.T, batch int) {
+	const parts, per = 4, 200
+	addrs := cluster(t, parts, "orders")
+	url := pgtest.Schema(t)
+	direct := pgtest.PoolURL(t, url, nil)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	cl := manualProducer(t, addrs)
+	for p := range int32(parts) {
+		produceTopic(t, cl, "orders", p, fmt.Sprintf("z%d", p), 0, per/2)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() {
+		for i := per / 2; i < per; i += 10 {
+			for p := range int32(parts) {
+				produceTopicBG(t, cl, "orders", p, fmt.Sprintf("z%d", p), i, 10)
+			}
+		}
+	})
+	applied := func() int64 { return count(t, direct, `SELECT count(*) FROM effects`) }
+	env := []string{"IDEM_CONSUMER_CHILD=1", "IDEM_BATCH=" + fmt.Sprint(batch)}
+	for round, stuck := range []string{"z0-15", "z1-90", "z2-130"} {
+		p := startRelayProc(t, fmt.Sprintf("consumer%d", round), url, addrs, time.Second, append(env, "IDEM_STUCK="+stuck)...)
+		p.waitFor(t, 0, 45*time.Second, "STUCK", stuck)
+		before := applied()
+		waitBounded(t, 30*time.Second, fmt.Sprintf("round %d: other partitions applying after %s got stuck", round, stuck), func() bool {
+			return applied() >= before+20
+		})
+		if err := p.cmd.Process.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("round %d: killed with %d applied, stuck on %s", round, applied(), stuck)
+	}
+	wg.Wait()
+	p := startRelayProc(t, "final", url, addrs, time.Second, env...)
+	want := map[int32]int64{}
+	for q := range int32(parts) {
+		want[q] = per
+	}
+	waitBounded(t, 60*time.Second, "every record committed after the crashes", func() bool {
+		return committedIs(t, addrs, "crash", parts, want)
+	})
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	for q := range int32(parts) {
+		wantAppliedInOrder(t, direct, fmt.Sprintf("z%d", q), per)
+	}
+	if n := count(t, direct, `SELECT count(*) FROM idem_processed_events`); n != parts*per {
+		t.Fatalf("%d processed-event rows, want %d", n, parts*per)
+	}
+}
