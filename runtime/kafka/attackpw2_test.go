@@ -274,3 +274,125 @@ func TestAttackPWMemoryManyStuckPartitions(t *testing.T) {
 	}
 	waitBounded(t, 60*time.Second, "every record", func() bool { return committedIs(t, addrs, "mem", parts, want) })
 }
+
+// The consumed topic is deleted and re-created while its partition 0 is
+// stuck on a record (a handler waiting for its context) and paused behind a
+// backlog, and partition 1 flows. With other, when set, a second topic
+// that keeps delivering records all the while. The re-created topic's
+// records must be applied, on both partitions.
+func TestAttackPWTopicRecreatedWhilePaused(t *testing.T) {
+	for _, other := range []bool{false, true} {
+		t.Run(fmt.Sprint("otherTopicFlowing=", other), func(t *testing.T) {
+			t.Parallel()
+			testTopicRecreatedWhilePaused(t, other)
+		})
+	}
+}
+
+func testTopicRecreatedWhilePaused(t *testing.T, other bool) {
+	addrs := cluster(t, 2, "orders", "other")
+	pool := db(t)
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, 40)
+	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	var stuck atomic.Bool
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "old0-2" {
+			stuck.Store(true)
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	logs := &capture{}
+	group := fmt.Sprint("recreate-", other)
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: 5,
+		CommitInterval: 100 * time.Millisecond, Logger: slog.New(logs),
+		Handlers: []idem.EventHandler{orderConsumer("orders", handler), topicConsumer("other", "billing", applyOrder)}}, nil)
+	waitBounded(t, 15*time.Second, "partition 0 stuck and paused", func() bool {
+		_, _, _, paused, _ := kafka.WorkerHolds(r.c, "orders", 0)
+		return stuck.Load() && paused && appliedCount(t, pool, "old1") == 10
+	})
+	stopOther := make(chan struct{})
+	otherDone := make(chan struct{})
+	go func() {
+		defer close(otherDone)
+		if !other {
+			return
+		}
+		for i := 0; ; i += 5 {
+			select {
+			case <-stopOther:
+				return
+			default:
+			}
+			produceTopicBG(t, cl, "other", 0, "x", i, 5)
+			time.Sleep(20 * time.Millisecond) // a steady trickle, not a wait
+		}
+	}()
+	defer func() { close(stopOther); <-otherDone }()
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	kmsgCreateTopic(t, adm, "orders", 2)
+	fresh := manualProducer(t, addrs) // cl knows the old topic's id
+	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
+	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
+	deadline := time.Now().Add(30 * time.Second)
+	for appliedCount(t, pool, "new0") < 10 || appliedCount(t, pool, "new1") < 10 {
+		if time.Now().After(deadline) {
+			_, q, busy, paused, ok := kafka.WorkerHolds(r.c, "orders", 0)
+			t.Fatalf("30s after the topic was re-created: new0 %d/10, new1 %d/10 applied; orders/0 worker queued %d busy %v paused %v ok %v; recovered (log): %v",
+				appliedCount(t, pool, "new0"), appliedCount(t, pool, "new1"), q, busy, paused, ok,
+				logs.has("topic was deleted and re-created"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	wantAppliedInOrder(t, pool, "new0", 10)
+	wantAppliedInOrder(t, pool, "new1", 10)
+}
+
+// fetchCounter counts the records kgo read from fetch responses.
+type fetchCounter struct{ records, bytes atomic.Int64 }
+
+func (f *fetchCounter) OnFetchBatchRead(_ kgo.BrokerMetadata, _ string, _ int32, m kgo.FetchBatchMetrics) {
+	f.records.Add(int64(m.NumRecords))
+	f.bytes.Add(int64(m.UncompressedBytes))
+}
+
+// How many records the client fetches from the broker to apply a backlog on
+// one partition with a slow handler: each pause drops what kgo had buffered
+// for the partition beyond the poll's records, and the resume fetches it
+// again. Logs the ratio fetched/applied (1.0 = each record fetched once).
+// A measurement: it fails only if records are lost.
+func TestAttackPWPauseRefetchAmplification(t *testing.T) {
+	t.Parallel()
+	for _, maxPoll := range []int{10, 100} {
+		t.Run(fmt.Sprint("maxPoll", maxPoll), func(t *testing.T) {
+			t.Parallel()
+			const n = 2000
+			addrs := cluster(t, 1, "orders")
+			pool := db(t)
+			cl := manualProducer(t, addrs)
+			for i := 0; i < n; i += 200 {
+				produceTopic(t, cl, "orders", 0, "a", i, 200)
+			}
+			var fc fetchCounter
+			group := fmt.Sprint("amp", maxPoll)
+			r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: maxPoll,
+				CommitInterval: 100 * time.Millisecond,
+				Handlers:       []idem.EventHandler{orderConsumer("orders", applyOrder)},
+				ClientOpts:     []kgo.Opt{kgo.WithHooks(&fc)}}, nil)
+			waitBounded(t, 15*time.Second, "the worker started", func() bool {
+				_, _, _, _, ok := kafka.WorkerHolds(r.c, "orders", 0)
+				return ok
+			})
+			waitBounded(t, 60*time.Second, "every record committed", func() bool {
+				return committedIs(t, addrs, group, 1, map[int32]int64{0: n})
+			})
+			r.shutdown(t)
+			wantAppliedInOrder(t, pool, "a", n)
+			t.Logf("MaxPollRecords %d: fetched %d records (%d bytes) to apply %d: %.1f×", maxPoll,
+				fc.records.Load(), fc.bytes.Load(), n, float64(fc.records.Load())/n)
+		})
+	}
+}
