@@ -31,9 +31,12 @@ import (
 //
 //   - bare:       a kgo poll loop doing the same INSERT in its own
 //     transaction per record, with no dedupe, and the consumer's commit
-//     behaviour (a goroutine per partition, each record marked after its
-//     transaction, marks auto-committed every second, rebalances blocked
-//     during a poll);
+//     behaviour (each record marked after its transaction, marks
+//     auto-committed every second), with a goroutine per partition for each
+//     poll, all waited for before the next poll and rebalances blocked
+//     meanwhile: the consumer's structure before it had a worker per
+//     partition across polls, which no longer waits for a poll's slowest
+//     partition;
 //   - per-record: the generated-style consumer (dedupe row + INSERT, one
 //     transaction per record);
 //   - batch:      the same in batch mode (100 records per transaction, one

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
 )
@@ -313,5 +314,66 @@ func TestShutdownWhileStuck(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM idem_processed_events WHERE event_id LIKE 's%'`); n != 16 {
 		t.Fatalf("%d processed-event rows, want 16", n)
+	}
+}
+
+// The stuck record waits on a row lock the test holds (one hot row): each
+// try fails with 55P03 (lock_timeout 100ms), which the processor waits out
+// as an outage, using no attempt. Only partition 0 waits: partition 1's
+// records are applied and committed meanwhile, and partition 0's committed
+// offset stays at the waiting record. The lock released, every record is
+// applied once, in order, none dead-lettered. Fails on main like
+// TestStuckPartitionDoesNotStallOthers.
+func TestHotRowLockStallsOnlyItsPartition(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "orders")
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" })
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL);
+		CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL); INSERT INTO hot VALUES (1, 0)`)
+	produceTo(t, addrs, 0, "h0", 0, 6)
+	produceTo(t, addrs, 1, "h1", 0, 6)
+	lock, err := pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Rollback(context.Background())
+	if _, err := lock.Exec(context.Background(), `SELECT n FROM hot WHERE id = 1 FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	var lockWaits atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "h0-2" {
+			if _, err := tx.Exec(ctx, `UPDATE hot SET n = n + 1 WHERE id = 1`); err != nil {
+				lockWaits.Add(1)
+				return err
+			}
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "hot", MaxPollRecords: 4,
+		CommitInterval: 100 * time.Millisecond,
+		Outage:         idem.Backoff{Initial: 20 * time.Millisecond, Max: 100 * time.Millisecond},
+		Handlers:       []idem.EventHandler{orderConsumer("orders", handler)}}, nil)
+	waitBounded(t, 15*time.Second, "partition 1 applied and committed while h0-2 waits for the lock", func() bool {
+		return lockWaits.Load() >= 2 && len(appliedIDs(t, pool, "h1")) == 6 &&
+			committedIs(t, addrs, "hot", 2, map[int32]int64{0: 2, 1: 6})
+	})
+	if err := lock.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	waitBounded(t, 15*time.Second, "every record after the lock is released", func() bool {
+		return committedIs(t, addrs, "hot", 2, map[int32]int64{0: 6, 1: 6})
+	})
+	r.shutdown(t)
+	wantAppliedInOrder(t, pool, "h0", 6)
+	wantAppliedInOrder(t, pool, "h1", 6)
+	if n := count(t, pool, `SELECT n FROM hot WHERE id = 1`); n != 1 {
+		t.Fatalf("hot row incremented %d times, want 1", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Fatalf("%d dead letters", n)
 	}
 }
