@@ -60,8 +60,8 @@ func consumerChild() int {
 	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{
 		Brokers: strings.Split(os.Getenv("IDEM_BROKERS"), ","), Group: "crash",
 		MaxPollRecords: 10, BatchSize: batch, CommitInterval: 100 * time.Millisecond,
-		Handlers:   []idem.EventHandler{orderConsumer("orders", handler)},
-		Logger:     slog.New(slog.NewTextHandler(os.Stderr, nil)),
+		Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
+		Logger:   slog.New(slog.NewTextHandler(os.Stderr, nil)),
 		// A killed member's partitions wait for its session to expire.
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 			kgo.SessionTimeout(6 * time.Second), kgo.HeartbeatInterval(500 * time.Millisecond)},

@@ -178,9 +178,13 @@ type run struct {
 	woken   bool                       // wakePoll was called between polls: end the next one at once
 
 	// Fetch failures, touched by Run's goroutine only.
-	fetchFailures  int                  // polls in a row that failed and returned nothing
-	unknownIDSince map[string]time.Time // topics answering UNKNOWN_TOPIC_ID, since when
+	fetchFailures int                      // polls in a row that failed and returned nothing
+	unknownID     map[string]*unknownSpell // topics answering UNKNOWN_TOPIC_ID
 }
+
+// unknownSpell is a run of UNKNOWN_TOPIC_ID answers for one topic: the
+// first and the latest.
+type unknownSpell struct{ since, last time.Time }
 
 // topicPartition names one partition.
 type topicPartition struct {
@@ -226,7 +230,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka consumer: Run called twice")
 	}
-	r := &run{Consumer: c, ctx: ctx, workers: map[topicPartition]*worker{}, unknownIDSince: map[string]time.Time{}}
+	r := &run{Consumer: c, ctx: ctx, workers: map[topicPartition]*worker{}, unknownID: map[string]*unknownSpell{}}
 	// A default the application's ClientOpts, after it, override: a
 	// partition resumed after a pause waits for the fetch in flight to its
 	// broker, up to FetchMaxWait when the broker's other partitions are
@@ -284,6 +288,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			r.dispatch(p)
 		})
 		cl.AllowRebalance()
+		r.recoverRecreatedTopics()
 		if err := r.backOffFetchErrors(ctx, failing, fetches.NumRecords() > 0); err != nil {
 			r.stopWorkers(func(topicPartition) bool { return true })
 			return nil
@@ -607,7 +612,12 @@ func (r *run) monitorStuck(ctx context.Context) {
 const recreateGrace = 2 * time.Second
 
 // fetchErrors logs a poll's fetch errors and returns whether there were any.
-// It tracks since when each topic answers UNKNOWN_TOPIC_ID.
+// It tracks since when each topic answers UNKNOWN_TOPIC_ID: a spell ends
+// when the topic delivers records, or when it has not answered so for
+// recreateGrace. A poll without the error for the topic does not end it:
+// while other topics deliver records, most polls return before the failing
+// topic's fetch answers again, and ending the spell there meant a topic
+// re-created while another one flowed was never recovered.
 func (r *run) fetchErrors(fetches kgo.Fetches) bool {
 	failing := false
 	unknownID := map[string]bool{}
@@ -623,14 +633,22 @@ func (r *run) fetchErrors(fetches kgo.Fetches) bool {
 			r.logger.Warn("fetch error", "group", r.cfg.Group, "topic", topic, "partition", p, "err", err)
 		}
 	})
-	for topic := range r.unknownIDSince {
-		if !unknownID[topic] {
-			delete(r.unknownIDSince, topic)
+	now := time.Now()
+	for topic := range unknownID {
+		if s := r.unknownID[topic]; s != nil {
+			s.last = now
+		} else {
+			r.unknownID[topic] = &unknownSpell{since: now, last: now}
 		}
 	}
-	for topic := range unknownID {
-		if _, ok := r.unknownIDSince[topic]; !ok {
-			r.unknownIDSince[topic] = time.Now()
+	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+		if len(p.Records) > 0 {
+			delete(r.unknownID, p.Topic)
+		}
+	})
+	for topic, s := range r.unknownID {
+		if now.Sub(s.last) > recreateGrace {
+			delete(r.unknownID, topic)
 		}
 	}
 	return failing
@@ -639,10 +657,7 @@ func (r *run) fetchErrors(fetches kgo.Fetches) bool {
 // backOffFetchErrors waits before the next poll while fetches fail and
 // return nothing: kgo returns a failing fetch at once, so without a wait the
 // poll loop spins (seen: 14,000 "fetch error" lines a second after a topic
-// was re-created). It also recovers from a topic deleted and re-created
-// while consumed: kgo refuses to consume the new instance (UNKNOWN_TOPIC_ID)
-// until the topic is purged from the client and added back (kgo README,
-// "Topic recreation"). It returns ctx's error when ctx ends during the wait.
+// was re-created). It returns ctx's error when ctx ends during the wait.
 func (r *run) backOffFetchErrors(ctx context.Context, failing, gotRecords bool) error {
 	if !failing || gotRecords {
 		if r.fetchFailures > 1 {
@@ -652,13 +667,6 @@ func (r *run) backOffFetchErrors(ctx context.Context, failing, gotRecords bool) 
 		return nil
 	}
 	r.fetchFailures++
-	for topic, since := range r.unknownIDSince {
-		if time.Since(since) < recreateGrace {
-			continue
-		}
-		delete(r.unknownIDSince, topic)
-		r.recoverRecreatedTopic(topic)
-	}
 	wait := fetchBackoff(r.fetchFailures)
 	if r.fetchFailures%10 == 0 {
 		r.logger.Warn("fetches still failing; waiting between polls", "group", r.cfg.Group,
@@ -680,6 +688,22 @@ func fetchBackoff(n int) time.Duration {
 	d := 50 * time.Millisecond << min(max(n-1, 0), 6)
 	d = min(d, 2*time.Second)
 	return d/2 + rand.N(d/2+1)
+}
+
+// recoverRecreatedTopics recovers from a topic deleted and re-created while
+// consumed: kgo refuses to consume the new instance (UNKNOWN_TOPIC_ID) until
+// the topic is purged from the client and added back (kgo README, "Topic
+// recreation"). A topic is taken as re-created once it has answered so for
+// recreateGrace, whether or not other topics deliver records meanwhile.
+// Called after AllowRebalance: purging revokes the topic's partitions.
+func (r *run) recoverRecreatedTopics() {
+	for topic, s := range r.unknownID {
+		if s.last.Sub(s.since) < recreateGrace {
+			continue
+		}
+		delete(r.unknownID, topic)
+		r.recoverRecreatedTopic(topic)
+	}
 }
 
 // recoverRecreatedTopic purges topic from the client and consumes it
