@@ -126,4 +126,3 @@ func TestAttackPWCtxIgnoringHandlerShutdown(t *testing.T) {
 		<-done
 	}
 }
-
