@@ -146,3 +146,58 @@ func testCrashWhilePaused(t *testing.T, batch int) {
 		t.Fatalf("%d processed-event rows, want %d", n, parts*per)
 	}
 }
+
+// A real consumer process is frozen (SIGSTOP) while one partition is stuck
+// and paused and the others are mid-transaction; its session expires and a
+// second process takes every partition over (blocked at first on the
+// frozen one's open transactions); then the first is continued (SIGCONT):
+// it goes on for a moment not knowing it lost its partitions, then learns
+// it (onLost). Both run on until every record is committed: each applied
+// exactly once, in order per partition.
+func TestAttackPWFrozenMemberLosesPartitionsWhilePaused(t *testing.T) {
+	t.Parallel()
+	const parts, per = 4, 150
+	addrs := cluster(t, parts, "orders")
+	url := pgtest.Schema(t)
+	direct := pgtest.PoolURL(t, url, nil)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	cl := manualProducer(t, addrs)
+	for p := range int32(parts) {
+		produceTopic(t, cl, "orders", p, fmt.Sprintf("f%d", p), 0, per)
+	}
+	applied := func() int64 { return count(t, direct, `SELECT count(*) FROM effects`) }
+	env := []string{"IDEM_CONSUMER_CHILD=1"}
+	a := startRelayProc(t, "A", url, addrs, time.Second, append(env, "IDEM_STUCK=f0-10")...)
+	a.waitFor(t, 0, 45*time.Second, "STUCK", "f0-10")
+	before := applied()
+	waitBounded(t, 30*time.Second, "A applying the other partitions", func() bool { return applied() >= before+15 })
+	if err := a.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	frozenAt := applied()
+	b := startRelayProc(t, "B", url, addrs, time.Second, env...)
+	b.waitFor(t, 0, 45*time.Second, "partitions assigned", "orders:[0 1 2 3]")
+	t.Logf("A frozen with %d applied; B has every partition", frozenAt)
+	if err := a.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	want := map[int32]int64{}
+	for q := range int32(parts) {
+		want[q] = per
+	}
+	waitBounded(t, 60*time.Second, "every record committed", func() bool {
+		return committedIs(t, addrs, "crash", parts, want)
+	})
+	a.waitFor(t, 0, 30*time.Second, "partitions lost")
+	_ = a.cmd.Process.Signal(syscall.SIGTERM)
+	_ = b.cmd.Process.Signal(syscall.SIGTERM)
+	for q := range int32(parts) {
+		wantAppliedInOrder(t, direct, fmt.Sprintf("f%d", q), per)
+	}
+	if n := count(t, direct, `SELECT count(*) FROM idem_processed_events`); n != parts*per {
+		t.Fatalf("%d processed-event rows, want %d", n, parts*per)
+	}
+}
