@@ -382,3 +382,87 @@ func testRebalanceChurn(t *testing.T, name string, balancer kgo.GroupBalancer) {
 	}
 	t.Logf("outcomes: applied %d, duplicate %d; q0-70 stuck once: %v", out.get(idem.Applied), out.get(idem.Duplicate), stuckOnce.Load())
 }
+
+// Partitions moving back and forth: member A stays, member B joins and
+// leaves six times, so A's partitions go to B and come back while A's
+// workers are paused behind a slow backlog; records keep arriving. A
+// partition coming back must not stay paused (kgo keeps a pause across
+// rebalances) and nothing may be lost or applied twice.
+func TestAttackPWPartitionsMoveBackAndForthWhilePaused(t *testing.T) {
+	for _, bal := range []struct {
+		name string
+		opt  kgo.GroupBalancer
+	}{{"cooperative", nil}, {"eager", kgo.RangeBalancer()}} {
+		t.Run(bal.name, func(t *testing.T) {
+			t.Parallel()
+			const parts, pre, streamed = 4, 150, 150
+			addrs := cluster(t, parts, "orders")
+			pool := db(t)
+			cl := manualProducer(t, addrs)
+			for p := range int32(parts) {
+				produceTopic(t, cl, "orders", p, fmt.Sprintf("b%d", p), 0, pre)
+			}
+			slow := func(ctx context.Context, tx pgx.Tx, ev order) error {
+				time.Sleep(time.Millisecond) // slow: the backlog keeps partitions paused
+				return applyOrder(ctx, tx, ev)
+			}
+			group := "backforth-" + bal.name
+			cfg := kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: 5, CommitInterval: 100 * time.Millisecond,
+				Handlers: []idem.EventHandler{orderConsumer("orders", slow)}}
+			if bal.opt != nil {
+				cfg.ClientOpts = []kgo.Opt{kgo.Balancers(bal.opt)}
+			}
+			logsA := &capture{}
+			cfgA := cfg
+			cfgA.Logger = slog.New(logsA)
+			a := startConsumer(t, pool, cfgA, nil)
+			waitBounded(t, 15*time.Second, "A paused behind its backlog", func() bool {
+				_, _, _, paused, _ := kafka.WorkerHolds(a.c, "orders", 0)
+				return paused
+			})
+			var wg sync.WaitGroup
+			wg.Go(func() {
+				for i := 0; i < streamed; i += 10 {
+					for p := range int32(parts) {
+						produceTopicBG(t, cl, "orders", p, fmt.Sprintf("b%d", p), pre+i, 10)
+					}
+				}
+			})
+			total := func() int64 { return count(t, pool, `SELECT count(*) FROM effects`) }
+			for i := range 6 {
+				logsB := &capture{}
+				cfgB := cfg
+				cfgB.Logger = slog.New(logsB)
+				before := total()
+				b := startConsumer(t, pool, cfgB, nil)
+				waitBounded(t, 30*time.Second, fmt.Sprintf("move %d: B assigned", i), func() bool {
+					return logsB.has("partitions assigned", "orders:[")
+				})
+				waitBounded(t, 30*time.Second, fmt.Sprintf("move %d: progress", i), func() bool {
+					return total() > before || total() == parts*(pre+streamed)
+				})
+				b.shutdown(t)
+			}
+			wg.Wait()
+			want := map[int32]int64{}
+			for p := range int32(parts) {
+				want[p] = pre + streamed
+			}
+			waitBounded(t, 60*time.Second, "A finishes every partition after the last move", func() bool {
+				return committedIs(t, addrs, group, parts, want)
+			})
+			for p := range int32(parts) {
+				if _, _, _, paused, ok := kafka.WorkerHolds(a.c, "orders", p); ok && paused {
+					t.Errorf("partition %d still paused on A with nothing left", p)
+				}
+			}
+			a.shutdown(t)
+			for p := range int32(parts) {
+				wantAppliedInOrder(t, pool, fmt.Sprintf("b%d", p), pre+streamed)
+			}
+			if n := count(t, pool, `SELECT count(*) FROM idem_processed_events`); n != parts*(pre+streamed) {
+				t.Fatalf("%d processed-event rows, want %d", n, parts*(pre+streamed))
+			}
+		})
+	}
+}
