@@ -141,6 +141,14 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 			s.cpu.Client += used.Client
 			s.cpu.Server += used.Server
 		}
+		// Each side applied each of the round's records once (none has a
+		// dedupe that would hide a hand-written loop's double or missed
+		// record): every event id has one effect row per side. Not timed.
+		prefix := fmt.Sprintf("b-%d-%d-", b.N, round)
+		if n := pgtest.Count(b, pool, `SELECT count(*) FROM (SELECT event_id FROM effects WHERE starts_with(event_id, $1)
+			GROUP BY event_id HAVING count(*) = $2) x`, prefix, len(turn)); n != int64(records) {
+			b.Fatalf("round %d: %d of %d records have one effect per side (%d sides)", round, n, records, len(turn))
+		}
 	}
 	n := float64(records * rounds)
 	// ratios returns each round's throughput ratio of s to base (the same
