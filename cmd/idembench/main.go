@@ -42,6 +42,10 @@ var suites = []suite{
 	{name: "http", pkg: "./runtime/idem", bench: "^BenchmarkHTTPSideBySide$"},
 	{name: "http-remote", pkg: "./runtime/idem", bench: "^BenchmarkHTTPRemoteDB$"},
 	{name: "consumer", pkg: "./runtime/kafka", bench: "^BenchmarkConsumerSideBySide$"},
+	// A backlog on one partition of two, the other idle: the consumer's
+	// rate where pausing a partition that is behind costs most. A few
+	// seconds; no baseline.
+	{name: "consumer-skew", pkg: "./runtime/kafka", bench: "^BenchmarkConsumerSkewed$"},
 	{name: "relay", pkg: "./runtime/kafka", bench: "^BenchmarkRelaySideBySide$"},
 	{name: "rss", pkg: "./internal/rssbench", bench: "^BenchmarkPeakRSS$"},
 	{name: "storage", pkg: "./runtime/idem", bench: "^BenchmarkOutboxAtScale$"},
@@ -60,7 +64,7 @@ var suites = []suite{
 
 func main() {
 	long := flag.Bool("long", false, "long mode: more rounds, and the figures at 1M rows of history")
-	only := flag.String("only", "", "comma-separated suites to run (http, consumer, relay, rss, storage, generator); empty: all")
+	only := flag.String("only", "", "comma-separated suites to run (http, http-remote, consumer, consumer-skew, relay, rss, storage, generator); empty: all")
 	verbose := flag.Bool("v", false, "also print the benchmarks' own output")
 	flag.Parse()
 	if err := run(*long, *only, *verbose, os.Stdout); err != nil {

@@ -29,32 +29,42 @@ import (
 
 // BenchmarkConsumerSideBySide consumes the same records, in each round, with
 //
-//   - bare:       a kgo poll loop doing the same INSERT in its own
-//     transaction per record, with no dedupe, and the consumer's commit
-//     behaviour (each record marked after its transaction, marks
-//     auto-committed every second), with a goroutine per partition for each
-//     poll, all waited for before the next poll and rebalances blocked
-//     meanwhile: the consumer's structure before it had a worker per
-//     partition across polls, which no longer waits for a poll's slowest
-//     partition;
+//   - bare:       a plain kgo consumer with kafka.Consumer's structure and
+//     commit behaviour, and no dedupe: a worker goroutine per partition,
+//     living across polls, fed by the poll loop (which hands each poll's
+//     records to the partition's worker without waiting and polls again,
+//     pausing a partition whose worker is still busy or has records queued,
+//     resumed when the worker takes them, as kafka.Consumer does); the
+//     worker applies its records in order, each with the same INSERT in its
+//     own transaction, and marks each record after its transaction commits;
+//     marks auto-committed every second, rebalances blocked during a poll's
+//     hand-out, FetchMaxWait 100ms (kafka.Consumer's default);
+//   - bare per-poll: the same per record, in the structure kafka.Consumer had
+//     before 2026-12-01: a goroutine per partition for each poll, all waited
+//     for before the next poll (so each poll waits for its slowest
+//     partition), rebalances blocked meanwhile, kgo's default FetchMaxWait;
+//     kept as a second row to show what the structure alone is worth and to
+//     continue the series measured against it;
 //   - per-record: the generated-style consumer (dedupe row + INSERT, one
 //     transaction per record);
 //   - batch:      the same in batch mode (100 records per transaction, one
-//     multi-row dedupe insert);
+//     multi-row dedupe insert; its row is against bare, which has no batch
+//     mode);
 //
 // each in a fresh consumer group starting at the round's first offset, timed
 // from its first record applied to its last (the same stop condition for all
-// three: neither the group join before nor the offset commit and close after
+// four: neither the group join before nor the offset commit and close after
 // is timed). A warm-up round (statement caches, plans, the broker's and the
 // runtime's first allocations) is not counted; then each counted round runs
-// the three in turn, bare → per-record → batch in even rounds and the reverse
-// in odd ones, so no side always goes first or last. One round's ratio is
-// noisy on a shared machine (0.40–1.31 seen with 3,000 records), so the rows
-// are the median of the rounds' ratios, with their min and max. It also
-// reports PostgreSQL CPU per record (the pool's backends, summed over the
-// counted rounds) and round trips per record counted on the wire. Each side
-// runs under a pprof label side=bare|per-record|batch, so a -cpuprofile of
-// this benchmark splits the client's CPU by side (go tool pprof -tagfocus
+// the four in turn, bare → bare per-poll → per-record → batch in even rounds
+// and the reverse in odd ones, so no side always goes first or last. One
+// round's ratio is noisy on a shared machine (0.40–1.31 seen with 3,000
+// records), so the rows are the median of the rounds' ratios, with their min
+// and max. It also reports PostgreSQL CPU per record (the pool's backends,
+// summed over the counted rounds) and round trips per record counted on the
+// wire. Each side runs under a pprof label
+// side=bare|bare-per-poll|per-record|batch, so a -cpuprofile of this
+// benchmark splits the client's CPU by side (go tool pprof -tagfocus
 // side=bare -top). Run: go run ./cmd/idembench -only consumer (or go test
 // ./runtime/kafka -run '^$' -bench ConsumerSideBySide -benchtime 1x)
 func BenchmarkConsumerSideBySide(b *testing.B) {
@@ -90,6 +100,9 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 	bare := &side{name: "bare", run: func(ctx context.Context, group string, start map[string]map[int32]kgo.Offset) time.Duration {
 		return bareConsume(ctx, b, addrs, pool, group, start, records)
 	}}
+	barePerPoll := &side{name: "bare-per-poll", run: func(ctx context.Context, group string, start map[string]map[int32]kgo.Offset) time.Duration {
+		return bareConsumePerPoll(ctx, b, addrs, pool, group, start, records)
+	}}
 	perRecord := &side{name: "per-record", run: func(ctx context.Context, group string, start map[string]map[int32]kgo.Offset) time.Duration {
 		return idemConsume(ctx, b, addrs, pool, group, start, records, 1)
 	}}
@@ -110,7 +123,7 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 				start["bench"][r.Partition] = kgo.NewOffset().At(r.Offset)
 			}
 		}
-		turn := []*side{bare, perRecord, batch}
+		turn := []*side{bare, barePerPoll, perRecord, batch}
 		if round%2 != 0 {
 			slices.Reverse(turn)
 		}
@@ -127,6 +140,14 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 			used := benchkit.ReadCPU(pids).Sub(cpuBefore)
 			s.cpu.Client += used.Client
 			s.cpu.Server += used.Server
+		}
+		// Each side applied each of the round's records once (none has a
+		// dedupe that would hide a hand-written loop's double or missed
+		// record): every event id has one effect row per side. Not timed.
+		prefix := fmt.Sprintf("b-%d-%d-", b.N, round)
+		if n := pgtest.Count(b, pool, `SELECT count(*) FROM (SELECT event_id FROM effects WHERE starts_with(event_id, $1)
+			GROUP BY event_id HAVING count(*) = $2) x`, prefix, len(turn)); n != int64(records) {
+			b.Fatalf("round %d: %d of %d records have one effect per side (%d sides)", round, n, records, len(turn))
 		}
 	}
 	n := float64(records * rounds)
@@ -149,23 +170,29 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 		return median(ts)
 	}
 	recRatios, batchRatios := ratios(perRecord, bare), ratios(batch, bare)
+	perPollRatios := ratios(perRecord, barePerPoll)
 	section := "Consumer" + benchkit.HistoryLabel()
 	benchkit.Emit(benchkit.Row{Section: section, Name: "per-record/bare throughput", Unit: "ratio", Target: "≥ 0.8",
 		Value: median(recRatios),
-		Detail: fmt.Sprintf("median of %d rounds (min %.2f, max %.2f); median rec/s bare %.0f, per-record %.0f, batch %.0f; %d records a round, after a warm-up round, order alternating, 3 partitions",
-			rounds, recRatios[0], recRatios[rounds-1], rate(bare), rate(perRecord), rate(batch), records)})
+		Detail: fmt.Sprintf("bare: per-partition workers across polls, as the consumer; median of %d rounds (min %.2f, max %.2f); median rec/s bare %.0f, bare per-poll %.0f, per-record %.0f, batch %.0f; %d records a round, after a warm-up round, order alternating, 3 partitions",
+			rounds, recRatios[0], recRatios[rounds-1], rate(bare), rate(barePerPoll), rate(perRecord), rate(batch), records)})
 	benchkit.Emit(benchkit.Row{Section: section, Name: "batch(100)/bare throughput", Unit: "ratio",
 		Value: median(batchRatios), Detail: fmt.Sprintf("median of %d rounds (min %.2f, max %.2f)", rounds, batchRatios[0], batchRatios[rounds-1])})
+	benchkit.Emit(benchkit.Row{Section: section, Name: "per-record/bare per-poll throughput", Unit: "ratio",
+		Value: median(perPollRatios),
+		Detail: fmt.Sprintf("bare per-poll: a goroutine per partition for each poll, each poll waiting for its slowest (the consumer's structure before 2026-12-01); median of %d rounds (min %.2f, max %.2f)",
+			rounds, perPollRatios[0], perPollRatios[rounds-1])})
 	perRec := func(s *side) (client, server float64) {
 		return float64(s.cpu.Client.Microseconds()) / n, float64(s.cpu.Server.Microseconds()) / n
 	}
 	bc, bs := perRec(bare)
+	pc, ps := perRec(barePerPoll)
 	rc, rs := perRec(perRecord)
 	tc, ts := perRec(batch)
 	benchkit.Emit(benchkit.Row{Section: section, Name: "per-record/bare PostgreSQL CPU per record", Unit: "ratio",
 		Value: rs / bs,
-		Detail: fmt.Sprintf("µs of CPU per record, PostgreSQL backends (this process, with the in-process kfake broker): bare %.0f (%.0f), per-record %.0f (%.0f), batch %.0f (%.0f)",
-			bs, bc, rs, rc, ts, tc)})
+		Detail: fmt.Sprintf("µs of CPU per record, PostgreSQL backends (this process, with the in-process kfake broker): bare %.0f (%.0f), bare per-poll %.0f (%.0f), per-record %.0f (%.0f), batch %.0f (%.0f)",
+			bs, bc, ps, pc, rs, rc, ts, tc)})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "consumer bare, per record", Unit: "round trips", Value: float64(bare.trips) / n,
 		Detail: "BEGIN │ INSERT │ COMMIT"})
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "consumer per-record, per record", Unit: "round trips", Value: float64(perRecord.trips) / n, Target: "3",
@@ -173,6 +200,11 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 	benchkit.Emit(benchkit.Row{Section: "Round trips", Name: "consumer batch(100), per record", Unit: "round trips", Value: float64(batch.trips) / n})
 	b.ReportMetric(median(recRatios), "per-record/bare")
 	b.ReportMetric(median(batchRatios), "batch/bare")
+	b.ReportMetric(median(perPollRatios), "per-record/bare-per-poll")
+	b.ReportMetric(rate(bare), "bare-rec/s")
+	b.ReportMetric(rate(barePerPoll), "bare-per-poll-rec/s")
+	b.ReportMetric(rate(perRecord), "per-record-rec/s")
+	b.ReportMetric(rate(batch), "batch-rec/s")
 }
 
 // median returns the median of sorted xs (the mean of the middle two when
@@ -230,11 +262,135 @@ func idemConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 	return last.Sub(first)
 }
 
-// bareConsume is the baseline: no dedupe, the same INSERT in a transaction
-// per record, and kafka.Consumer's commit behaviour (see
-// BenchmarkConsumerSideBySide). It returns the time from the first record
-// applied to the last.
+// bareConsume is the baseline with kafka.Consumer's structure and commit
+// behaviour and no dedupe (see BenchmarkConsumerSideBySide): a worker
+// goroutine per partition, living across polls; the poll loop hands each
+// poll's records to the partition's worker without waiting, pausing the
+// partition if the worker is still busy or has records queued (the worker
+// resumes it when it takes them), and polls again. The worker applies its
+// records in order, each in a transaction of its own, and marks each after
+// its transaction commits. It has no rebalance handling: the benchmark's
+// group has one member, so nothing is revoked. It returns the time from the
+// first record applied to the last.
 func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want int) time.Duration {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.ConsumerGroup(group), kgo.ConsumeTopics("bench"),
+		kgo.AutoCommitMarks(), kgo.AutoCommitInterval(time.Second), kgo.BlockRebalanceOnPoll(),
+		kgo.FetchMaxWait(100*time.Millisecond), // kafka.Consumer's default
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
+		kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
+			return start, nil
+		}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(parent, 5*time.Minute)
+	defer cancel()
+	// finished ends the poll loop: every record applied, or a worker failed.
+	finished, finish := context.WithCancel(ctx)
+	defer finish()
+	var first, last time.Time
+	var mu sync.Mutex
+	done := 0
+	type worker struct {
+		mu     sync.Mutex
+		queued []*kgo.Record
+		busy   bool // applying the records it took
+		paused bool
+		more   chan struct{}
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait() // after cancel (deferred later, so run first)
+	defer cancel()
+	// work applies partition p's records as the poll loop queues them.
+	work := func(p int32, w *worker) {
+		defer wg.Done()
+		for {
+			w.mu.Lock()
+			recs := w.queued
+			w.queued, w.busy = nil, len(recs) > 0
+			if len(recs) > 0 && w.paused {
+				w.paused = false
+				cl.ResumeFetchPartitions(map[string][]int32{"bench": {p}})
+			}
+			w.mu.Unlock()
+			if len(recs) == 0 {
+				select {
+				case <-w.more:
+					continue
+				case <-ctx.Done():
+					return
+				}
+			}
+			for _, r := range recs {
+				var ev order
+				_ = json.Unmarshal(r.Value, &ev)
+				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) })
+				if err != nil {
+					if ctx.Err() == nil {
+						b.Error(err)
+					}
+					finish()
+					return
+				}
+				cl.MarkCommitRecords(r)
+				mu.Lock()
+				now := time.Now()
+				if done == 0 {
+					first = now
+				}
+				last = now
+				if done++; done == want {
+					finish()
+				}
+				mu.Unlock()
+			}
+		}
+	}
+	workers := map[int32]*worker{}
+	for finished.Err() == nil {
+		fetches := cl.PollRecords(finished, 1000)
+		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+			if len(p.Records) == 0 {
+				return
+			}
+			w := workers[p.Partition]
+			if w == nil {
+				w = &worker{more: make(chan struct{}, 1)}
+				workers[p.Partition] = w
+				wg.Add(1)
+				go work(p.Partition, w)
+			}
+			w.mu.Lock()
+			behind := w.busy || len(w.queued) > 0
+			w.queued = append(w.queued, p.Records...)
+			if behind && !w.paused {
+				w.paused = true
+				cl.PauseFetchPartitions(map[string][]int32{"bench": {p.Partition}})
+			}
+			w.mu.Unlock()
+			select {
+			case w.more <- struct{}{}:
+			default:
+			}
+		})
+		cl.AllowRebalance()
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if done < want {
+		b.Fatalf("bare: %d of %d records", done, want)
+	}
+	return last.Sub(first)
+}
+
+// bareConsumePerPoll is the second baseline: bareConsume's work per record
+// and commit behaviour in the structure kafka.Consumer had before
+// 2026-12-01, a goroutine per partition for each poll, all waited for
+// before the next poll (each poll waits for its slowest partition), with
+// kgo's default FetchMaxWait. It returns the time from the first record
+// applied to the last.
+func bareConsumePerPoll(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want int) time.Duration {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.ConsumerGroup(group), kgo.ConsumeTopics("bench"),
 		kgo.AutoCommitMarks(), kgo.AutoCommitInterval(time.Second), kgo.BlockRebalanceOnPoll(),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
@@ -253,7 +409,7 @@ func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 	for done < want {
 		fetches := cl.PollRecords(ctx, 1000)
 		if ctx.Err() != nil {
-			b.Fatalf("bare: %d of %d records", done, want)
+			b.Fatalf("bare per-poll: %d of %d records", done, want)
 		}
 		var wg sync.WaitGroup
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemgen/idemgen/internal/benchkit"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
@@ -19,7 +20,11 @@ import (
 // default FetchMaxWait: the case where pausing a partition that is behind
 // costs most, because a fetch in flight for the idle partition alone waits
 // out FetchMaxWait before the resumed partition is fetched again. It
-// reports records a second, from the first record applied to the last.
+// reports records a second, from the first record applied to the last, one
+// run of each mode (no baseline, no rounds: about 0.2–1.5s each, so a single
+// figure moves by 10–20% between runs). Run: go run ./cmd/idembench -only
+// consumer-skew (or go test ./runtime/kafka -run '^$' -bench ConsumerSkewed
+// -benchtime 1x)
 func BenchmarkConsumerSkewed(b *testing.B) {
 	b.Run("per-record", func(b *testing.B) { benchSkewed(b, 1) })
 	b.Run("batch100", func(b *testing.B) { benchSkewed(b, 100) })
@@ -75,6 +80,13 @@ func benchSkewed(b *testing.B, batch int) {
 	<-runDone
 	d := last.Sub(first)
 	b.ReportMetric(records/d.Seconds(), "rec/s")
+	mode := "per-record"
+	if batch > 1 {
+		mode = fmt.Sprintf("batch(%d)", batch)
+	}
+	benchkit.Emit(benchkit.Row{Section: "Consumer, skewed", Name: mode + ", one busy partition of two", Unit: "rec/s",
+		Value: records / d.Seconds(),
+		Detail: fmt.Sprintf("%d records on partition 0, partition 1 idle; one run, first record applied to last; FetchMaxWait 100ms (the consumer's default): the busy partition is paused while its worker is behind, and a resumed partition waits for the idle partition's fetch in flight", records)})
 	b.Logf("%d records on one partition in %v: %.0f rec/s; effects %d", records, d, records/d.Seconds(),
 		pgtest.Count(b, pool, `SELECT count(*) FROM effects`))
 }
