@@ -206,23 +206,31 @@ func TestOwnContextEarlierCtxErrorThenNetworkCut(t *testing.T) {
 }
 
 // The probe's guard against blocking forever: a pool that must make a
-// connection for every probe, slower than the handler's deadline (every
-// connection made takes 400ms here, each probe's first), while a round
-// trip and a connection made right after are quick. Each such verdict is waited
-// out as an outage (slowAnswer), but only a few in a row: then the record's
-// failure, dead-lettered, not blocked forever.
+// connection for every probe (a pool of one, its connection closed by the
+// handler's deadline), the probe's first connection slower than the
+// handler's statement was given (1s against 200ms) while a round trip and
+// the connection the probe makes right after are quick. That is
+// slowAnswer on every attempt: each is waited out as an outage, but only
+// ownCtxSlowProbes-1 (2) in a row; the next is the record's failure,
+// dead-lettered, not blocked forever. Which connection is slow is not left
+// to timing: the handler, once its statement has been ended (its
+// connection closed), marks the next connection made slow, and only that
+// one; that is the probe's first, since nothing else connects before it.
 func TestOwnContextSlowConnectProbeStillDeadLetters(t *testing.T) {
 	t.Parallel()
-	var lastDial atomic.Int64 // UnixNano of the last connection made
+	var slowNext atomic.Bool // the next connection made takes 1s
+	var slowDials atomic.Int64
 	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) {
 		c.MaxConns = 1 // the probe makes a connection every time
-		c.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
-			// Slow, unless right after another (the probe's second,
-			// made again to compare).
-			if time.Since(time.Unix(0, lastDial.Load())) > 30*time.Millisecond {
-				time.Sleep(400 * time.Millisecond)
+		c.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+			if slowNext.CompareAndSwap(true, false) {
+				slowDials.Add(1)
+				select {
+				case <-time.After(time.Second):
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			}
-			lastDial.Store(time.Now().UnixNano())
 			return nil
 		}
 	})
@@ -230,7 +238,7 @@ func TestOwnContextSlowConnectProbeStillDeadLetters(t *testing.T) {
 	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
 		Retry:          idem.RetryPolicy{MaxAttempts: 1},
 		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 3 * time.Second,
+		StorageTimeout: 5 * time.Second,
 		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	var calls atomic.Int64
@@ -239,19 +247,23 @@ func TestOwnContextSlowConnectProbeStillDeadLetters(t *testing.T) {
 		if err := insertEffect(ctx, tx, e); err != nil {
 			return err
 		}
-		return ownCtxStatement(ctx, tx, false)
+		err := ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT pg_sleep(2)`)
+		slowNext.Store(true)
+		return err
 	})
-	o, err := processWithin(p, &h, idleRecord("slowdial"), 20*time.Second)
+	o, err := processWithin(p, &h, idleRecord("slowdial"), 15*time.Second)
 	if err != nil || o != idem.DeadLettered {
 		t.Fatalf("Process: %v, %v after %d calls; want dead-lettered (logs:\n%s)", o, err, calls.Load(), logs.String())
 	}
-	// Up to ownCtxSlowProbes-1 (2) slow probes waited out, never more
-	// (without the guard: as many as the test's time allowed).
-	switch n := strings.Count(logs.String(), "answered only slowly"); {
-	case n == 0:
-		t.Skipf("the first probe answered at once (timing under load): the guard was not exercised")
-	case n > 2:
-		t.Fatalf("%d slow probes waited out in a row, want at most 2 (%d calls)", n, calls.Load())
+	// Exactly ownCtxSlowProbes-1 (2) slow probes waited out, then the
+	// record's failure on the third attempt (without the guard: slow
+	// probes for as long as the test's time allowed, never dead-lettered).
+	if n, d, c := strings.Count(logs.String(), "answered only slowly"), slowDials.Load(), calls.Load(); n != 2 || d != 3 || c != 3 {
+		t.Fatalf("%d slow probes waited out, %d slow connections, %d calls; want 2, 3 and 3 (logs:\n%s)", n, d, c, logs.String())
+	}
+	attempts, last := lastDeadLetter(t, proxied)
+	if attempts != 1 || !strings.Contains(last, "the handler's own context") {
+		t.Fatalf("dead letter: %d attempts, %q; want 1 and the handler's own context named", attempts, last)
 	}
 }
 
