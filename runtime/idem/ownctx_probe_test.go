@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,25 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
-
-// proxiedConsumeDB is a migrated schema with an effects table, reached
-// directly and through a fault proxy whose pool configure adjusts.
-func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, proxied *pgxpool.Pool, px *faultproxy.Proxy) {
-	t.Helper()
-	url := pgtest.Schema(t)
-	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
-	direct = pgtest.PoolURL(t, url, nil)
-	proxied = pgtest.PoolURL(t, px.RewriteURL(url), configure)
-	if err := idem.Migrate(context.Background(), direct); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-	return direct, proxied, px
-}
 
 // A pool of one connection: the attempt's connection is closed by the
 // handler's own deadline, the probe must make another (no deadlock, no
@@ -41,17 +24,8 @@ func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, pr
 func TestOwnContextPoolOfOne(t *testing.T) {
 	t.Parallel()
 	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 3 * time.Second,
-	})
-	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-		if err := insertEffect(ctx, tx, e); err != nil {
-			return err
-		}
-		return ownCtxStatement(ctx, tx, false)
-	})
+	p := ownCtxProcessor(t, idem.NewStore(proxied), 2, 3*time.Second)
+	h := ownCtxDeadlineHandler()
 	start := time.Now()
 	o, err := processWithin(p, &h, idleRecord("one"), 20*time.Second)
 	if err != nil || o != idem.DeadLettered {
@@ -69,11 +43,7 @@ func TestOwnContextPoolOfOne(t *testing.T) {
 func TestOwnContextShutdownDuringProbe(t *testing.T) {
 	t.Parallel()
 	direct, proxied, px := proxiedConsumeDB(t, nil)
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 1},
-		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-		StorageTimeout: 10 * time.Second,
-	})
+	p, _ := budgetOfOne(t, proxied, 10*time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	h := handler(func(hctx context.Context, tx pgx.Tx, e event) error {
@@ -138,17 +108,8 @@ func TestOwnContextCancelRequestWatcher(t *testing.T) {
 			return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 5 * time.Second}
 		}
 	})
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 2 * time.Second,
-	})
-	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-		if err := insertEffect(ctx, tx, e); err != nil {
-			return err
-		}
-		return ownCtxStatement(ctx, tx, false)
-	})
+	p := ownCtxProcessor(t, idem.NewStore(proxied), 2, 2*time.Second)
+	h := ownCtxDeadlineHandler()
 	o, err := processWithin(p, &h, idleRecord("cancelreq"), 20*time.Second)
 	if err != nil || o != idem.DeadLettered {
 		t.Fatalf("Process: %v, %v; want dead-lettered", o, err)
@@ -170,13 +131,7 @@ func TestOwnContextCancelRequestWatcher(t *testing.T) {
 func TestOwnContextEarlierCtxErrorThenNetworkCut(t *testing.T) {
 	t.Parallel()
 	direct, proxied, px := proxiedConsumeDB(t, nil)
-	var logs lockedBuffer
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 1},
-		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-		StorageTimeout: 3 * time.Second,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-	})
+	p, logs := budgetOfOne(t, proxied, 3*time.Second)
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 		n := calls.Add(1)
@@ -234,13 +189,7 @@ func TestOwnContextSlowConnectProbeStillDeadLetters(t *testing.T) {
 			return nil
 		}
 	})
-	var logs lockedBuffer
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 1},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 5 * time.Second,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-	})
+	p, logs := budgetOfOne(t, proxied, 5*time.Second)
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 		calls.Add(1)
@@ -277,23 +226,13 @@ func TestOwnContextDownAroundHandlerDeadline(t *testing.T) {
 		t.Run(at.String(), func(t *testing.T) {
 			t.Parallel()
 			direct, proxied, px := proxiedConsumeDB(t, nil)
-			var logs lockedBuffer
-			p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-				Retry:          idem.RetryPolicy{MaxAttempts: 1},
-				Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-				StorageTimeout: 5 * time.Second,
-				Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-			})
+			p, logs := budgetOfOne(t, proxied, 5*time.Second)
 			var calls atomic.Int64
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-				if err := insertEffect(ctx, tx, e); err != nil {
-					return err
-				}
-				if calls.Add(1) == 1 {
-					px.Latency(2 * time.Second)
-					time.AfterFunc(at, px.Down)
-					time.AfterFunc(1200*time.Millisecond, px.Restore)
-				}
+			h := faultOnFirstCall(&calls, func() {
+				px.Latency(2 * time.Second)
+				time.AfterFunc(at, px.Down)
+				time.AfterFunc(1200*time.Millisecond, px.Restore)
+			}, func(ctx context.Context, tx pgx.Tx) error {
 				return ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT 1`)
 			})
 			o, err := processWithin(p, &h, idleRecord("down"), 30*time.Second)
