@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/url"
+	"os"
 	"os/exec"
 	"regexp"
 	"strconv"
@@ -46,6 +47,7 @@ func TestScripts(t *testing.T) {
 			}
 			env.Defer(drop)
 			env.Setenv("DATABASE_URL", dbURL)
+			passGORACE(env)
 			cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.confirmed"))
 			if err != nil {
 				return err
@@ -56,6 +58,17 @@ func TestScripts(t *testing.T) {
 		},
 		Cmds: scriptCmds,
 	})
+}
+
+// passGORACE gives a script's idemctl (this test binary, built with -race
+// under CI) the race detector options this test runs with: testscript
+// starts commands with an environment of its own, without GORACE. CI sets
+// atexit_sleep_ms=0 there (.ci/run), which spares the second every race
+// binary otherwise sleeps on exit, a second per idemctl run.
+func passGORACE(env *testscript.Env) {
+	if v := os.Getenv("GORACE"); v != "" {
+		env.Setenv("GORACE", v)
+	}
 }
 
 var scriptCmds = map[string]func(ts *testscript.TestScript, neg bool, args []string){
@@ -80,6 +93,7 @@ func TestFaultScripts(t *testing.T) {
 			}
 			env.Defer(drop)
 			env.Setenv("DATABASE_URL", dbURL)
+			passGORACE(env)
 			return nil
 		},
 		Cmds: scriptCmds,
