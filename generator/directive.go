@@ -10,6 +10,8 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/idemgen/idemgen/internal/suggest"
 )
 
 // directivePrefix starts every idemgen directive. Like //go:generate, there is
@@ -123,7 +125,7 @@ func parseDirective(text string, pos token.Position) (*Directive, []*Error) {
 		if kind == "" {
 			fail(start, "missing directive kind after //idem: (want one of %s)", strings.Join(names, ", "))
 		} else {
-			fail(start, "unknown directive //idem:%s%s (want one of %s)", kind, didYouMean(kind, names), strings.Join(names, ", "))
+			fail(start, "unknown directive //idem:%s%s (want one of %s)", kind, suggest.DidYouMean(kind, names), strings.Join(names, ", "))
 		}
 		return nil, errs
 	}
@@ -176,7 +178,7 @@ func parseDirective(text string, pos token.Position) (*Directive, []*Error) {
 			fail(nameStart, "missing option name before '=' in //idem:%s", kind)
 		case !known:
 			names := sortedKeys(spec.options)
-			fail(nameStart, "unknown option %q for //idem:%s%s (valid options: %s)", name, kind, didYouMean(name, names), strings.Join(names, ", "))
+			fail(nameStart, "unknown option %q for //idem:%s%s (valid options: %s)", name, kind, suggest.DidYouMean(name, names), strings.Join(names, ", "))
 		case hasOption(d, name):
 			fail(nameStart, "option %s given twice in //idem:%s", name, kind)
 		default:
@@ -211,42 +213,6 @@ func sortedKeys[V any](m map[string]V) []string {
 	}
 	sort.Strings(keys)
 	return keys
-}
-
-// didYouMean suggests the closest of names to s, if one is close enough to be
-// a typo.
-func didYouMean(s string, names []string) string {
-	best, bestDist := "", 3
-	for _, n := range names {
-		if d := editDistance(strings.ToLower(s), n); d < bestDist {
-			best, bestDist = n, d
-		}
-	}
-	if best == "" {
-		return ""
-	}
-	return fmt.Sprintf("; did you mean %q?", best)
-}
-
-// editDistance is the Levenshtein distance between a and b.
-func editDistance(a, b string) int {
-	prev := make([]int, len(b)+1)
-	cur := make([]int, len(b)+1)
-	for j := range prev {
-		prev[j] = j
-	}
-	for i := 1; i <= len(a); i++ {
-		cur[0] = i
-		for j := 1; j <= len(b); j++ {
-			cost := 1
-			if a[i-1] == b[j-1] {
-				cost = 0
-			}
-			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
-		}
-		prev, cur = cur, prev
-	}
-	return prev[len(b)]
 }
 
 // Option validators. Each returns an error that completes the sentence

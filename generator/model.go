@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/tools/go/packages"
 
+	"github.com/idemgen/idemgen/internal/suggest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
@@ -511,7 +512,7 @@ func stringField(st *types.Struct, local *types.Package, name string) (*fieldRef
 		}
 		return nil, fmt.Errorf("field %s has type %s; want a string, an integer or a fmt.Stringer", name, types.TypeString(t, types.RelativeTo(local)))
 	}
-	return nil, fmt.Errorf("no field %s%s (fields: %s)", name, didYouMean(name, fields), strings.Join(fields, ", "))
+	return nil, fmt.Errorf("no field %s%s (fields: %s)", name, suggest.DidYouMean(name, fields), strings.Join(fields, ", "))
 }
 
 // stringerType is fmt.Stringer, built without importing fmt's types.

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/url"
+	"os"
 	"os/exec"
 	"regexp"
 	"strconv"
@@ -46,6 +47,7 @@ func TestScripts(t *testing.T) {
 			}
 			env.Defer(drop)
 			env.Setenv("DATABASE_URL", dbURL)
+			passGORACE(env)
 			cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.confirmed"))
 			if err != nil {
 				return err
@@ -56,6 +58,17 @@ func TestScripts(t *testing.T) {
 		},
 		Cmds: scriptCmds,
 	})
+}
+
+// passGORACE gives a script's idemctl (this test binary, built with -race
+// under CI) the race detector options this test runs with: testscript
+// starts commands with an environment of its own, without GORACE. CI sets
+// atexit_sleep_ms=0 there (.ci/run), which spares the second every race
+// binary otherwise sleeps on exit, a second per idemctl run.
+func passGORACE(env *testscript.Env) {
+	if v := os.Getenv("GORACE"); v != "" {
+		env.Setenv("GORACE", v)
+	}
 }
 
 var scriptCmds = map[string]func(ts *testscript.TestScript, neg bool, args []string){
@@ -80,6 +93,7 @@ func TestFaultScripts(t *testing.T) {
 			}
 			env.Defer(drop)
 			env.Setenv("DATABASE_URL", dbURL)
+			passGORACE(env)
 			return nil
 		},
 		Cmds: scriptCmds,
@@ -313,7 +327,22 @@ func TestPurgeKeptParkedRowsExit1(t *testing.T) {
 // purge --older-than 1h must not delete rows parked or published half an
 // hour ago by it (the cutoff was the machine's clock less the age: it
 // deleted both, and the dry run said it would).
+//
+// Two ways: the machine's clock as idemctl reads it (clientNow) set two
+// hours ahead, and the database's clock as idemctl's statements read it
+// (now(), shadowed in the test's schema) two hours behind. The latter does
+// not depend on the purge reading the machine's clock through clientNow: a
+// purge computing its cutoff from time.Now() directly, as it did before,
+// passed the first way, the skewed clientNow unread.
 func TestPurgeCutoffByDatabaseClock(t *testing.T) {
+	for _, way := range []string{"machine ahead", "database behind"} {
+		t.Run(way, func(t *testing.T) {
+			testPurgeCutoffByDatabaseClock(t, way == "database behind")
+		})
+	}
+}
+
+func testPurgeCutoffByDatabaseClock(t *testing.T, dbBehind bool) {
 	dbURL, drop, err := newSchema()
 	if drop != nil {
 		t.Cleanup(drop)
@@ -321,15 +350,47 @@ func TestPurgeCutoffByDatabaseClock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if dbBehind {
+		// A now() of the schema's own, two hours behind PostgreSQL's, found
+		// before pg_catalog's by a search_path that names pg_catalog after
+		// the schema: what idemctl's DatabaseNow reads, and the rows below
+		// are dated by.
+		u, err := url.Parse(dbURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := u.Query()
+		schema := q.Get("search_path")
+		conn, err := pgx.Connect(context.Background(), dbURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = conn.Exec(context.Background(), `CREATE FUNCTION `+pgx.Identifier{schema, "now"}.Sanitize()+`() RETURNS timestamptz
+			LANGUAGE sql STABLE AS $$ SELECT pg_catalog.now() - interval '2 hours' $$`)
+		conn.Close(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		q.Set("search_path", schema+",pg_catalog")
+		u.RawQuery = q.Encode()
+		dbURL = u.String()
+	} else {
+		old := clientNow
+		clientNow = func() time.Time { return time.Now().Add(2 * time.Hour) }
+		t.Cleanup(func() { clientNow = old })
+	}
 	t.Setenv("DATABASE_URL", dbURL)
-	old := clientNow
-	clientNow = func() time.Time { return time.Now().Add(2 * time.Hour) }
-	t.Cleanup(func() { clientNow = old })
 	conn, err := pgx.Connect(context.Background(), dbURL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
+	if dbBehind {
+		var skew time.Duration
+		if err := conn.QueryRow(context.Background(), `SELECT pg_catalog.now() - now()`).Scan(&skew); err != nil || skew != 2*time.Hour {
+			t.Fatalf("the schema's now() is %v (%v) behind PostgreSQL's, want 2h", skew, err)
+		}
+	}
 	if _, err := conn.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload, status, parked_at, published_at)
 		VALUES ('t', '', 'PARKED', now() - interval '30 minutes', NULL), ('t', '', 'PUBLISHED', NULL, now() - interval '30 minutes'),
 		       ('t', '', 'PARKED', now() - interval '90 minutes', NULL)`); err != nil {

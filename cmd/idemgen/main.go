@@ -20,11 +20,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/rogpeppe/go-internal/diff"
 
 	"github.com/idemgen/idemgen/generator"
 	"github.com/idemgen/idemgen/internal/shutdown"
+	"github.com/idemgen/idemgen/internal/suggest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
@@ -80,6 +82,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		files, err := generator.Generate(ctx, cfg, fset.Args()...)
 		if err != nil {
 			fmt.Fprintln(stderr, err)
+			commandHint(fset.Args(), stderr)
 			return 1
 		}
 		if err := write(files); err != nil {
@@ -91,9 +94,35 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		files, err := generator.Generate(ctx, cfg, fset.Args()...)
 		if err != nil {
 			fmt.Fprintln(stderr, err)
+			commandHint(fset.Args(), stderr)
 			return exitError
 		}
 		return compare(files, cmd == "diff", stdout, stderr)
+	}
+}
+
+// commands are idemgen's subcommands, for commandHint.
+var commands = []string{"gen", "check", "diff", "schema", "vet", "help"}
+
+// commandHint follows a failed load whose first package argument looks like
+// a mistyped subcommand ("idemgen chek": gen of a package "chek", which the
+// go command reports as "package chek is not in std") with the command it
+// probably was. It says nothing when that word is not close to a command.
+// (The go command takes a bare word as an import path even when a directory
+// of that name exists here: a directory is named ./chek.)
+func commandHint(pkgs []string, stderr io.Writer) {
+	if len(pkgs) == 0 {
+		return
+	}
+	word := pkgs[0]
+	for _, c := range word {
+		if c < 'a' || c > 'z' {
+			return // a path, a pattern, or flags: not a command word
+		}
+	}
+	if hint := suggest.DidYouMean(word, commands); hint != "" {
+		fmt.Fprintf(stderr, "idemgen: %q is not a command%s (commands: %s; packages default to \".\")\n",
+			word, hint, strings.Join(commands, ", "))
 	}
 }
 

@@ -62,6 +62,12 @@ func TestScripts(t *testing.T) {
 			env.Setenv("GOFLAGS", "-mod=mod")
 			env.Setenv("GOWORK", "off")
 			env.Setenv("GOTOOLCHAIN", "local")
+			// The race detector options of this test (CI: atexit_sleep_ms=0,
+			// see .ci/run) for the idemgen runs, this test binary: testscript
+			// starts commands without GORACE.
+			if v := os.Getenv("GORACE"); v != "" {
+				env.Setenv("GORACE", v)
+			}
 			mod := "module example.com/svc\n\ngo 1.26\n\n" +
 				"require github.com/idemgen/idemgen v0.0.0-00010101000000-000000000000\n\n" +
 				"replace github.com/idemgen/idemgen => " + root + "\n\n" + requires
@@ -104,7 +110,7 @@ func cmdIdem(ts *testscript.TestScript, neg bool, args []string) {
 		ts.Fatalf("idem: %v", err)
 	}
 	var env []string
-	for _, name := range []string{"PATH", "HOME", "GOCACHE", "GOMODCACHE", "GOPATH", "GOROOT", "GOPROXY", "GOFLAGS", "GOWORK", "GOTOOLCHAIN", "TMPDIR", "GOOS", "GOARCH", "CGO_ENABLED", "CC"} {
+	for _, name := range []string{"PATH", "HOME", "GOCACHE", "GOMODCACHE", "GOPATH", "GOROOT", "GOPROXY", "GOFLAGS", "GOWORK", "GOTOOLCHAIN", "TMPDIR", "GOOS", "GOARCH", "CGO_ENABLED", "CC", "GORACE"} {
 		env = append(env, name+"="+ts.Getenv(name))
 	}
 	cmd := exec.CommandContext(context.Background(), bin, args[1:]...)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -230,11 +231,18 @@ type httpRounds struct {
 	cpu      map[string]benchkit.CPU
 }
 
+// noReplayKeys is rounds' replayKeys for kinds without "replay": no
+// completed keys r-<i> were made, and none is asked for.
+const noReplayKeys = 0
+
 // rounds runs, rounds times, n requests of each of kinds ("bare", "first":
 // a new key each, "replay": one of the replayKeys completed keys r-<i>,
 // "replay-same": the completed key "same") one kind after the other, from
 // c workers each sending its next request when the last is answered; pids
 // are the pool's backends, whose CPU is read around each kind's run.
+// replayKeys is noReplayKeys unless kinds has "replay"; then it must be
+// positive (the keys r-0 … r-<replayKeys-1> completed beforehand). A kind
+// not listed above fails the benchmark: it would measure nothing.
 func (hb *httpBench) rounds(b *testing.B, pids []int32, c, n, rounds int, kinds []string, replayKeys int64) httpRounds {
 	type kind struct {
 		name string
@@ -242,18 +250,26 @@ func (hb *httpBench) rounds(b *testing.B, pids []int32, c, n, rounds int, kinds 
 	}
 	var ks []kind
 	for _, k := range kinds {
-		ks = append(ks, kind{name: k, op: func(i int64) {
-			switch k {
-			case "bare":
-				hb.call(b, hb.bare, "")
-			case "first":
-				hb.call(b, hb.idemH, fmt.Sprintf("f-%d-%d-%d", c, b.N, i))
-			case "replay":
-				hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i%replayKeys))
-			case "replay-same":
-				hb.call(b, hb.idemH, "same")
+		var op func(i int64)
+		switch k {
+		case "bare":
+			op = func(int64) { hb.call(b, hb.bare, "") }
+		case "first":
+			op = func(i int64) { hb.call(b, hb.idemH, fmt.Sprintf("f-%d-%d-%d", c, b.N, i)) }
+		case "replay":
+			if replayKeys <= 0 {
+				b.Fatalf("rounds: kind replay with %d replay keys: complete the keys r-<i> first and pass how many", replayKeys)
 			}
-		}})
+			op = func(i int64) { hb.call(b, hb.idemH, fmt.Sprintf("r-%d", i%replayKeys)) }
+		case "replay-same":
+			op = func(int64) { hb.call(b, hb.idemH, "same") }
+		default:
+			b.Fatalf("rounds: unknown kind %q", k)
+		}
+		ks = append(ks, kind{name: k, op: op})
+	}
+	if replayKeys != noReplayKeys && !slices.Contains(kinds, "replay") {
+		b.Fatalf("rounds: %d replay keys for kinds %q without replay", replayKeys, kinds)
 	}
 	lat := map[string][]time.Duration{}
 	wall := map[string]time.Duration{}

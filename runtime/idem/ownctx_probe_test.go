@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,25 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
-
-// proxiedConsumeDB is a migrated schema with an effects table, reached
-// directly and through a fault proxy whose pool configure adjusts.
-func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, proxied *pgxpool.Pool, px *faultproxy.Proxy) {
-	t.Helper()
-	url := pgtest.Schema(t)
-	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
-	direct = pgtest.PoolURL(t, url, nil)
-	proxied = pgtest.PoolURL(t, px.RewriteURL(url), configure)
-	if err := idem.Migrate(context.Background(), direct); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-	return direct, proxied, px
-}
 
 // A pool of one connection: the attempt's connection is closed by the
 // handler's own deadline, the probe must make another (no deadlock, no
@@ -41,17 +24,8 @@ func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, pr
 func TestOwnContextPoolOfOne(t *testing.T) {
 	t.Parallel()
 	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 3 * time.Second,
-	})
-	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-		if err := insertEffect(ctx, tx, e); err != nil {
-			return err
-		}
-		return ownCtxStatement(ctx, tx, false)
-	})
+	p := ownCtxProcessor(t, idem.NewStore(proxied), 2, 3*time.Second)
+	h := ownCtxDeadlineHandler()
 	start := time.Now()
 	o, err := processWithin(p, &h, idleRecord("one"), 20*time.Second)
 	if err != nil || o != idem.DeadLettered {
@@ -69,11 +43,7 @@ func TestOwnContextPoolOfOne(t *testing.T) {
 func TestOwnContextShutdownDuringProbe(t *testing.T) {
 	t.Parallel()
 	direct, proxied, px := proxiedConsumeDB(t, nil)
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 1},
-		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-		StorageTimeout: 10 * time.Second,
-	})
+	p, _ := budgetOfOne(t, proxied, 10*time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	h := handler(func(hctx context.Context, tx pgx.Tx, e event) error {
@@ -138,17 +108,8 @@ func TestOwnContextCancelRequestWatcher(t *testing.T) {
 			return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 5 * time.Second}
 		}
 	})
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 2 * time.Second,
-	})
-	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-		if err := insertEffect(ctx, tx, e); err != nil {
-			return err
-		}
-		return ownCtxStatement(ctx, tx, false)
-	})
+	p := ownCtxProcessor(t, idem.NewStore(proxied), 2, 2*time.Second)
+	h := ownCtxDeadlineHandler()
 	o, err := processWithin(p, &h, idleRecord("cancelreq"), 20*time.Second)
 	if err != nil || o != idem.DeadLettered {
 		t.Fatalf("Process: %v, %v; want dead-lettered", o, err)
@@ -170,13 +131,7 @@ func TestOwnContextCancelRequestWatcher(t *testing.T) {
 func TestOwnContextEarlierCtxErrorThenNetworkCut(t *testing.T) {
 	t.Parallel()
 	direct, proxied, px := proxiedConsumeDB(t, nil)
-	var logs lockedBuffer
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 1},
-		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-		StorageTimeout: 3 * time.Second,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-	})
+	p, logs := budgetOfOne(t, proxied, 3*time.Second)
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 		n := calls.Add(1)
@@ -206,52 +161,58 @@ func TestOwnContextEarlierCtxErrorThenNetworkCut(t *testing.T) {
 }
 
 // The probe's guard against blocking forever: a pool that must make a
-// connection for every probe, slower than the handler's deadline (every
-// connection made takes 400ms here, each probe's first), while a round
-// trip and a connection made right after are quick. Each such verdict is waited
-// out as an outage (slowAnswer), but only a few in a row: then the record's
-// failure, dead-lettered, not blocked forever.
+// connection for every probe (a pool of one, its connection closed by the
+// handler's deadline), the probe's first connection slower than the
+// handler's statement was given (1s against 200ms) while a round trip and
+// the connection the probe makes right after are quick. That is
+// slowAnswer on every attempt: each is waited out as an outage, but only
+// ownCtxSlowProbes-1 (2) in a row; the next is the record's failure,
+// dead-lettered, not blocked forever. Which connection is slow is not left
+// to timing: the handler, once its statement has been ended (its
+// connection closed), marks the next connection made slow, and only that
+// one; that is the probe's first, since nothing else connects before it.
 func TestOwnContextSlowConnectProbeStillDeadLetters(t *testing.T) {
 	t.Parallel()
-	var lastDial atomic.Int64 // UnixNano of the last connection made
+	var slowNext atomic.Bool // the next connection made takes 1s
+	var slowDials atomic.Int64
 	_, proxied, _ := proxiedConsumeDB(t, func(c *pgxpool.Config) {
 		c.MaxConns = 1 // the probe makes a connection every time
-		c.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
-			// Slow, unless right after another (the probe's second,
-			// made again to compare).
-			if time.Since(time.Unix(0, lastDial.Load())) > 30*time.Millisecond {
-				time.Sleep(400 * time.Millisecond)
+		c.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+			if slowNext.CompareAndSwap(true, false) {
+				slowDials.Add(1)
+				select {
+				case <-time.After(time.Second):
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			}
-			lastDial.Store(time.Now().UnixNano())
 			return nil
 		}
 	})
-	var logs lockedBuffer
-	p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 1},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 3 * time.Second,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-	})
+	p, logs := budgetOfOne(t, proxied, 5*time.Second)
 	var calls atomic.Int64
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 		calls.Add(1)
 		if err := insertEffect(ctx, tx, e); err != nil {
 			return err
 		}
-		return ownCtxStatement(ctx, tx, false)
+		err := ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT pg_sleep(2)`)
+		slowNext.Store(true)
+		return err
 	})
-	o, err := processWithin(p, &h, idleRecord("slowdial"), 20*time.Second)
+	o, err := processWithin(p, &h, idleRecord("slowdial"), 15*time.Second)
 	if err != nil || o != idem.DeadLettered {
 		t.Fatalf("Process: %v, %v after %d calls; want dead-lettered (logs:\n%s)", o, err, calls.Load(), logs.String())
 	}
-	// Up to ownCtxSlowProbes-1 (2) slow probes waited out, never more
-	// (without the guard: as many as the test's time allowed).
-	switch n := strings.Count(logs.String(), "answered only slowly"); {
-	case n == 0:
-		t.Skipf("the first probe answered at once (timing under load): the guard was not exercised")
-	case n > 2:
-		t.Fatalf("%d slow probes waited out in a row, want at most 2 (%d calls)", n, calls.Load())
+	// Exactly ownCtxSlowProbes-1 (2) slow probes waited out, then the
+	// record's failure on the third attempt (without the guard: slow
+	// probes for as long as the test's time allowed, never dead-lettered).
+	if n, d, c := strings.Count(logs.String(), "answered only slowly"), slowDials.Load(), calls.Load(); n != 2 || d != 3 || c != 3 {
+		t.Fatalf("%d slow probes waited out, %d slow connections, %d calls; want 2, 3 and 3 (logs:\n%s)", n, d, c, logs.String())
+	}
+	attempts, last := lastDeadLetter(t, proxied)
+	if attempts != 1 || !strings.Contains(last, "the handler's own context") {
+		t.Fatalf("dead letter: %d attempts, %q; want 1 and the handler's own context named", attempts, last)
 	}
 }
 
@@ -265,23 +226,13 @@ func TestOwnContextDownAroundHandlerDeadline(t *testing.T) {
 		t.Run(at.String(), func(t *testing.T) {
 			t.Parallel()
 			direct, proxied, px := proxiedConsumeDB(t, nil)
-			var logs lockedBuffer
-			p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-				Retry:          idem.RetryPolicy{MaxAttempts: 1},
-				Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-				StorageTimeout: 5 * time.Second,
-				Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-			})
+			p, logs := budgetOfOne(t, proxied, 5*time.Second)
 			var calls atomic.Int64
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-				if err := insertEffect(ctx, tx, e); err != nil {
-					return err
-				}
-				if calls.Add(1) == 1 {
-					px.Latency(2 * time.Second)
-					time.AfterFunc(at, px.Down)
-					time.AfterFunc(1200*time.Millisecond, px.Restore)
-				}
+			h := faultOnFirstCall(&calls, func() {
+				px.Latency(2 * time.Second)
+				time.AfterFunc(at, px.Down)
+				time.AfterFunc(1200*time.Millisecond, px.Restore)
+			}, func(ctx context.Context, tx pgx.Tx) error {
 				return ownCtxExec(ctx, tx, false, 200*time.Millisecond, `SELECT 1`)
 			})
 			o, err := processWithin(p, &h, idleRecord("down"), 30*time.Second)

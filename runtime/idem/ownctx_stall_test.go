@@ -2,15 +2,14 @@ package idem_test
 
 import (
 	"context"
-	"log/slog"
 	"net/http"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
@@ -39,38 +38,15 @@ func TestHandlerOwnContextDuringNetworkStallIsNoAttempt(t *testing.T) {
 	for name, fn := range quickOwnCtxHandlers {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			direct, proxied, px := slowNetworkDB(t)
-			if err := idem.Migrate(context.Background(), direct); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-			var logs lockedBuffer
-			p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-				Retry:          idem.RetryPolicy{MaxAttempts: 1},
-				Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-				StorageTimeout: 5 * time.Second,
-				Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-			})
+			direct, proxied, px := proxiedConsumeDB(t, nil)
+			p, logs := budgetOfOne(t, proxied, 5*time.Second)
 			var calls atomic.Int64
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-				if err := insertEffect(ctx, tx, e); err != nil {
-					return err
-				}
-				if calls.Add(1) == 1 {
-					stallNetwork(px, time.Second)
-				}
-				return fn(ctx, tx)
-			})
+			h := faultOnFirstCall(&calls, func() { stallNetwork(px, time.Second) }, fn)
 			o, err := processWithin(p, &h, idleRecord("stalled"), 30*time.Second)
 			if err != nil || o != idem.Applied {
 				t.Fatalf("Process: %v, %v after %d calls; want applied once the network is back (logs:\n%s)", o, err, calls.Load(), logs.String())
 			}
-			if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
-				t.Fatalf("%d dead letters, want 0", n)
-			}
-			if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 1 {
-				t.Fatalf("%d effects, want 1", n)
-			}
+			wantAppliedOnce(t, direct)
 		})
 	}
 }
@@ -83,30 +59,9 @@ func TestFunctionOwnContextDuringNetworkStallIs503(t *testing.T) {
 	t.Parallel()
 	for name, fn := range quickOwnCtxHandlers {
 		t.Run(name, func(t *testing.T) {
-			direct, proxied, px := slowNetworkDB(t)
-			e := newEnvPool(t, proxied)
-			var stall atomic.Bool
-			stall.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if stall.CompareAndSwap(true, false) {
-					stallNetwork(px, time.Second)
-				}
-				return fn(ctx, tx)
-			}
-			h := e.handler(idem.Endpoint{})
-			r := do(h, "k-stalled", body1)
-			wantProblem(t, r, http.StatusServiceUnavailable)
-			if !strings.Contains(string(r.body), "storage unavailable") || r.header.Get("Retry-After") == "" {
-				t.Fatalf("%d %s (Retry-After %q); want a 503 storage unavailable with Retry-After", r.status, r.body, r.header.Get("Retry-After"))
-			}
-			time.Sleep(time.Second) // the stall is over
-			r = do(h, "k-stalled", body1)
-			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-			}
-			if e.calls.Load() != 2 || pgtest.Count(t, direct, `SELECT count(*) FROM effects`) != 1 {
-				t.Fatalf("retry: %d calls, want 2, and one effect", e.calls.Load())
-			}
+			testFunctionOwnContextFaultIs503(t, fn,
+				func(px *faultproxy.Proxy) { stallNetwork(px, time.Second) },
+				func(*faultproxy.Proxy) { time.Sleep(time.Second) }) // the stall is over
 		})
 	}
 }

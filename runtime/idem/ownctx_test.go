@@ -12,10 +12,92 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
+
+// proxiedConsumeDB is a migrated schema with an effects table, reached
+// directly and through a fault proxy whose pool configure adjusts.
+func proxiedConsumeDB(t *testing.T, configure func(*pgxpool.Config)) (direct, proxied *pgxpool.Pool, px *faultproxy.Proxy) {
+	t.Helper()
+	url := pgtest.Schema(t)
+	px = faultproxy.New(t, faultproxy.PostgresTarget(url))
+	direct = pgtest.PoolURL(t, url, nil)
+	proxied = pgtest.PoolURL(t, px.RewriteURL(url), configure)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	return direct, proxied, px
+}
+
+// budgetOfOne is a processor on pool with a budget of one attempt (a
+// failure wrongly charged to the record dead-letters it at once), outages
+// waited out 10-50ms apart, storage calls bounded by storageTimeout, and
+// its log.
+func budgetOfOne(t *testing.T, pool *pgxpool.Pool, storageTimeout time.Duration) (*idem.Processor, *lockedBuffer) {
+	t.Helper()
+	logs := &lockedBuffer{}
+	return processorWith(t, idem.NewStore(pool), idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: 1},
+		Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		StorageTimeout: storageTimeout,
+		Logger:         slog.New(slog.NewTextHandler(logs, nil)),
+	}), logs
+}
+
+// faultOnFirstCall is a handler that inserts its effect, then, on its
+// first call only, starts fault (the network's, under the statement to
+// come), then runs fn; calls counts its calls.
+func faultOnFirstCall(calls *atomic.Int64, fault func(), fn func(context.Context, pgx.Tx) error) idem.EventHandler {
+	return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		if calls.Add(1) == 1 {
+			fault()
+		}
+		return fn(ctx, tx)
+	})
+}
+
+// ownCtxProcessor is a processor on store with a budget of attempts,
+// retries and outages waited out within milliseconds, and storage calls
+// bounded by storageTimeout (the own-context probe's bound).
+func ownCtxProcessor(t *testing.T, store *idem.Store, attempts int, storageTimeout time.Duration) *idem.Processor {
+	t.Helper()
+	return processorWith(t, store, idem.ProcessorConfig{
+		Retry:          idem.RetryPolicy{MaxAttempts: attempts, Initial: time.Millisecond, Max: 2 * time.Millisecond},
+		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		StorageTimeout: storageTimeout,
+	})
+}
+
+// ownCtxDeadlineHandler is a handler that inserts its effect, then runs a
+// statement its own 50ms deadline ends (ownCtxStatement).
+func ownCtxDeadlineHandler() idem.EventHandler {
+	return handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		return ownCtxStatement(ctx, tx, false)
+	})
+}
+
+// wantAppliedOnce fails the test unless the record was applied once (one
+// effect) and never dead-lettered, as read on direct.
+func wantAppliedOnce(t *testing.T, direct *pgxpool.Pool) {
+	t.Helper()
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
+		t.Fatalf("%d dead letters, want 0", n)
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
+}
 
 // ownCtxStatement runs a statement that outlives ctxFor's context: a
 // deadline of 50ms, or a cancel 50ms in. With pgx's default context
@@ -85,11 +167,7 @@ func TestHandlerOwnContextClosingConnIsDeadLettered(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			pool, store := consumeDB(t)
-			p := processorWith(t, store, idem.ProcessorConfig{
-				Retry:          idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-				Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-				StorageTimeout: 2 * time.Second,
-			})
+			p := ownCtxProcessor(t, store, 3, 2*time.Second)
 			var calls atomic.Int64
 			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 				calls.Add(1)
@@ -128,11 +206,7 @@ func TestHandlerOwnContextClosingConnIsDeadLettered(t *testing.T) {
 func TestBatchHandlerOwnContextDeadLettersOnlyTheCulprit(t *testing.T) {
 	t.Parallel()
 	pool, store := consumeDB(t)
-	p := processorWith(t, store, idem.ProcessorConfig{
-		Retry:          idem.RetryPolicy{MaxAttempts: 2, Initial: time.Millisecond, Max: 2 * time.Millisecond},
-		Outage:         idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-		StorageTimeout: 2 * time.Second,
-	})
+	p := ownCtxProcessor(t, store, 2, 2*time.Second)
 	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
 		if err := insertEffect(ctx, tx, e); err != nil {
 			return err
@@ -243,29 +317,13 @@ func TestHandlerOwnContextWhileDatabaseBlackholedIsNoAttempt(t *testing.T) {
 	for name, fn := range quickOwnCtxHandlers {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			direct, proxied, px := slowNetworkDB(t)
-			if err := idem.Migrate(context.Background(), direct); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
-			var logs lockedBuffer
-			p := processorWith(t, idem.NewStore(proxied), idem.ProcessorConfig{
-				Retry:          idem.RetryPolicy{MaxAttempts: 1},
-				Outage:         idem.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-				StorageTimeout: 300 * time.Millisecond,
-				Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
-			})
+			direct, proxied, px := proxiedConsumeDB(t, nil)
+			p, logs := budgetOfOne(t, proxied, 300*time.Millisecond)
 			var calls atomic.Int64
-			h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
-				if err := insertEffect(ctx, tx, e); err != nil {
-					return err
-				}
-				if calls.Add(1) == 1 {
-					px.Blackhole() // the network partitions now, for 1.5s
-					time.AfterFunc(1500*time.Millisecond, px.Restore)
-				}
-				return fn(ctx, tx)
-			})
+			h := faultOnFirstCall(&calls, func() {
+				px.Blackhole() // the network partitions now, for 1.5s
+				time.AfterFunc(1500*time.Millisecond, px.Restore)
+			}, fn)
 			o, err := processWithin(p, &h, idleRecord("blackholed"), 20*time.Second)
 			if err != nil || o != idem.Applied {
 				t.Fatalf("Process: %v, %v after %d calls; want applied once the database is back (logs:\n%s)", o, err, calls.Load(), logs.String())
@@ -276,12 +334,7 @@ func TestHandlerOwnContextWhileDatabaseBlackholedIsNoAttempt(t *testing.T) {
 			if l := logs.String(); !strings.Contains(l, "storage unavailable; waiting, no attempt used") || strings.Contains(l, "handler failed") {
 				t.Fatalf("the first attempt was not waited out as an outage; logs:\n%s", l)
 			}
-			if n := pgtest.Count(t, direct, `SELECT count(*) FROM idem_dead_letters`); n != 0 {
-				t.Fatalf("%d dead letters, want 0", n)
-			}
-			if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`); n != 1 {
-				t.Fatalf("%d effects, want 1", n)
-			}
+			wantAppliedOnce(t, direct)
 		})
 	}
 }
@@ -354,33 +407,40 @@ func TestFunctionOwnContextWhileDatabaseBlackholedIs503(t *testing.T) {
 	t.Parallel()
 	for name, fn := range quickOwnCtxHandlers {
 		t.Run(name, func(t *testing.T) {
-			direct, proxied, px := slowNetworkDB(t)
-			e := newEnvPool(t, proxied)
-			var blackhole atomic.Bool
-			blackhole.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if blackhole.CompareAndSwap(true, false) {
-					px.Blackhole()
-				}
-				return fn(ctx, tx)
-			}
-			h := e.handler(idem.Endpoint{})
-			r := do(h, "k-blackholed", body1)
-			px.Restore()
-			wantProblem(t, r, http.StatusServiceUnavailable)
-			if !strings.Contains(string(r.body), "storage unavailable") || r.header.Get("Retry-After") == "" {
-				t.Fatalf("%d %s (Retry-After %q); want a 503 storage unavailable with Retry-After", r.status, r.body, r.header.Get("Retry-After"))
-			}
-			if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`) + pgtest.Count(t, direct, `SELECT count(*) FROM idem_keys`); n != 0 {
-				t.Fatalf("%d effects and keys, want 0", n)
-			}
-			r = do(h, "k-blackholed", body1)
-			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-			}
-			if e.calls.Load() != 2 || pgtest.Count(t, direct, `SELECT count(*) FROM effects`) != 1 {
-				t.Fatalf("retry: %d calls, want 2, and one effect", e.calls.Load())
-			}
+			testFunctionOwnContextFaultIs503(t, fn, (*faultproxy.Proxy).Blackhole, (*faultproxy.Proxy).Restore)
 		})
+	}
+}
+
+// testFunctionOwnContextFaultIs503 runs fn as a function's statement under
+// a network fault that fault starts on its first call: the answer is a 503
+// storage unavailable with Retry-After, nothing is stored; once heal has
+// run, the retry runs the function once (201).
+func testFunctionOwnContextFaultIs503(t *testing.T, fn func(context.Context, pgx.Tx) error, fault, heal func(*faultproxy.Proxy)) {
+	direct, proxied, px := slowNetworkDB(t)
+	e := newEnvPool(t, proxied)
+	var once atomic.Bool
+	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+		if once.CompareAndSwap(false, true) {
+			fault(px)
+		}
+		return fn(ctx, tx)
+	}
+	h := e.handler(idem.Endpoint{})
+	r := do(h, "k-fault", body1)
+	heal(px)
+	wantProblem(t, r, http.StatusServiceUnavailable)
+	if !strings.Contains(string(r.body), "storage unavailable") || r.header.Get("Retry-After") == "" {
+		t.Fatalf("%d %s (Retry-After %q); want a 503 storage unavailable with Retry-After", r.status, r.body, r.header.Get("Retry-After"))
+	}
+	if n := pgtest.Count(t, direct, `SELECT count(*) FROM effects`) + pgtest.Count(t, direct, `SELECT count(*) FROM idem_keys`); n != 0 {
+		t.Fatalf("%d effects and keys, want 0", n)
+	}
+	r = do(h, "k-fault", body1)
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
+		t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
+	}
+	if e.calls.Load() != 2 || pgtest.Count(t, direct, `SELECT count(*) FROM effects`) != 1 {
+		t.Fatalf("retry: %d calls, want 2, and one effect", e.calls.Load())
 	}
 }

@@ -55,7 +55,7 @@ func BenchmarkHTTPRemoteDB(b *testing.B) {
 	rounds := benchkit.Pick(2, 6)
 	for _, c := range []int{1, 64} {
 		n := benchkit.Pick(map[int]int{1: 300, 64: 1200}, map[int]int{1: 1000, 64: 6000})[c]
-		r := hb.rounds(b, pids, c, n, rounds, []string{"bare", "first"}, 0)
+		r := hb.rounds(b, pids, c, n, rounds, []string{"bare", "first"}, noReplayKeys)
 		sec := fmt.Sprintf("HTTP c=%d, database a hop away", c)
 		detail := fmt.Sprintf("%s; bare %.0f/s p50 %.2fms p99 %.2fms; first %.0f/s p50 %.2fms p99 %.2fms", rtt,
 			r.thr["bare"], benchkit.Ms(r.p50["bare"]), benchkit.Ms(r.p99["bare"]), r.thr["first"], benchkit.Ms(r.p50["first"]), benchkit.Ms(r.p99["first"]))
