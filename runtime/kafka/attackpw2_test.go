@@ -360,39 +360,58 @@ func (f *fetchCounter) OnFetchBatchRead(_ kgo.BrokerMetadata, _ string, _ int32,
 }
 
 // How many records the client fetches from the broker to apply a backlog on
-// one partition with a slow handler: each pause drops what kgo had buffered
-// for the partition beyond the poll's records, and the resume fetches it
-// again. Logs the ratio fetched/applied (1.0 = each record fetched once).
-// A measurement: it fails only if records are lost.
+// one partition with a slow handler. Polling MaxPollRecords at a time, each
+// pause dropped what kgo had buffered for the partition beyond the poll's
+// records, and the resume fetched it again (109× at MaxPollRecords 10, 10×
+// at 100). Polling everything kgo buffered, a pause drops at most the
+// partition's part of a fetch in flight. With FetchMaxPartitionBytes 4 KB
+// each fetch carries one 200-record batch, so the worker is behind and its
+// partition paused and resumed again and again (the test sees it paused).
 func TestAttackPWPauseRefetchAmplification(t *testing.T) {
 	t.Parallel()
 	for _, maxPoll := range []int{10, 100} {
-		t.Run(fmt.Sprint("maxPoll", maxPoll), func(t *testing.T) {
-			t.Parallel()
-			const n = 2000
-			addrs := cluster(t, 1, "orders")
-			pool := db(t)
-			cl := manualProducer(t, addrs)
-			for i := 0; i < n; i += 200 {
-				produceTopic(t, cl, "orders", 0, "a", i, 200)
-			}
-			var fc fetchCounter
-			group := fmt.Sprint("amp", maxPoll)
-			r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: maxPoll,
-				CommitInterval: 100 * time.Millisecond,
-				Handlers:       []idem.EventHandler{orderConsumer("orders", applyOrder)},
-				ClientOpts:     []kgo.Opt{kgo.WithHooks(&fc)}}, nil)
-			waitBounded(t, 15*time.Second, "the worker started", func() bool {
-				_, _, _, _, ok := kafka.WorkerHolds(r.c, "orders", 0)
-				return ok
+		for _, partBytes := range []int32{0, 4 << 10} {
+			t.Run(fmt.Sprintf("maxPoll%d/partBytes%d", maxPoll, partBytes), func(t *testing.T) {
+				t.Parallel()
+				const n = 2000
+				addrs := cluster(t, 1, "orders")
+				pool := db(t)
+				cl := manualProducer(t, addrs)
+				for i := 0; i < n; i += 200 {
+					produceTopic(t, cl, "orders", 0, "a", i, 200)
+				}
+				var fc fetchCounter
+				group := fmt.Sprint("amp", maxPoll, "_", partBytes)
+				opts := []kgo.Opt{kgo.WithHooks(&fc)}
+				if partBytes > 0 {
+					opts = append(opts, kgo.FetchMaxPartitionBytes(partBytes))
+				}
+				r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: maxPoll,
+					CommitInterval: 100 * time.Millisecond,
+					Handlers:       []idem.EventHandler{orderConsumer("orders", applyOrder)},
+					ClientOpts:     opts}, nil)
+				waitBounded(t, 15*time.Second, "the worker started", func() bool {
+					_, _, _, _, ok := kafka.WorkerHolds(r.c, "orders", 0)
+					return ok
+				})
+				sawPaused := false
+				waitBounded(t, 60*time.Second, "every record committed", func() bool {
+					_, _, _, paused, _ := kafka.WorkerHolds(r.c, "orders", 0)
+					sawPaused = sawPaused || paused
+					return committedIs(t, addrs, group, 1, map[int32]int64{0: n})
+				})
+				r.shutdown(t)
+				wantAppliedInOrder(t, pool, "a", n)
+				factor := float64(fc.records.Load()) / n
+				t.Logf("MaxPollRecords %d, FetchMaxPartitionBytes %d: fetched %d records (%d bytes) to apply %d: %.1f×; seen paused: %v",
+					maxPoll, partBytes, fc.records.Load(), fc.bytes.Load(), n, factor, sawPaused)
+				if factor > 3 {
+					t.Errorf("fetched %.1f× the records applied; want at most 3×", factor)
+				}
+				if partBytes > 0 && !sawPaused {
+					t.Errorf("the partition was never seen paused: the test did not exercise a pause")
+				}
 			})
-			waitBounded(t, 60*time.Second, "every record committed", func() bool {
-				return committedIs(t, addrs, group, 1, map[int32]int64{0: n})
-			})
-			r.shutdown(t)
-			wantAppliedInOrder(t, pool, "a", n)
-			t.Logf("MaxPollRecords %d: fetched %d records (%d bytes) to apply %d: %.1f×", maxPoll,
-				fc.records.Load(), fc.bytes.Load(), n, float64(fc.records.Load())/n)
-		})
+		}
 	}
 }

@@ -264,10 +264,12 @@ func idemConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 
 // bareConsume is the baseline with kafka.Consumer's structure and commit
 // behaviour and no dedupe (see BenchmarkConsumerSideBySide): a worker
-// goroutine per partition, living across polls; the poll loop hands each
-// poll's records to the partition's worker without waiting, pausing the
-// partition if the worker is still busy or has records queued (the worker
-// resumes it when it takes them), and polls again. The worker applies its
+// goroutine per partition, living across polls; the poll loop takes all
+// that kgo buffered (PollFetches), hands each poll's records to the
+// partition's worker without waiting, pausing the partition if the worker
+// is still busy or had records queued and now has 1,000 (MaxPollRecords in
+// the consumer's run) or more queued (the worker resumes it when it takes
+// them), and polls again. The worker applies its
 // records in order, each in a transaction of its own, and marks each after
 // its transaction commits. It has no rebalance handling: the benchmark's
 // group has one member, so nothing is revoked. It returns the time from the
@@ -349,7 +351,7 @@ func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 	}
 	workers := map[int32]*worker{}
 	for finished.Err() == nil {
-		fetches := cl.PollRecords(finished, 1000)
+		fetches := cl.PollFetches(finished)
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 			if len(p.Records) == 0 {
 				return
@@ -364,7 +366,7 @@ func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 			w.mu.Lock()
 			behind := w.busy || len(w.queued) > 0
 			w.queued = append(w.queued, p.Records...)
-			if behind && !w.paused {
+			if behind && len(w.queued) >= 1000 && !w.paused {
 				w.paused = true
 				cl.PauseFetchPartitions(map[string][]int32{"bench": {p.Partition}})
 			}

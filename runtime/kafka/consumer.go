@@ -56,7 +56,16 @@ type ConsumerConfig struct {
 	// at least 100ms, kgo's minimum).
 	// Offsets are also committed on partition revocation and on shutdown.
 	CommitInterval time.Duration
-	// MaxPollRecords bounds the records handled per poll (default 500).
+	// MaxPollRecords is how many records a partition's worker may have
+	// queued behind the ones it is applying before its partition is paused
+	// (default 500). Each poll takes everything kgo has buffered, so a
+	// partition's queue grows by whole fetch responses: a worker holds at
+	// most the records it is applying, fewer than MaxPollRecords queued, and
+	// the partition's part of one more fetch response (up to about
+	// FetchMaxPartitionBytes, 1 MB by default, or one record batch if that
+	// is larger), besides what kgo itself buffers (one fetch response per
+	// broker). A smaller value pauses a partition that is behind sooner and
+	// more often; it does not bound the records taken per poll.
 	MaxPollRecords int
 	// OnRecord, if set, is called after each record is done (applied, a
 	// duplicate, or dead-lettered), once per handler, before its offset is
@@ -202,11 +211,19 @@ type topicPartition struct {
 // to their partitions' workers and polls again. So a partition stuck on one
 // record (a handler retrying with backoff, a lock the record waits for, the
 // database down) holds up only that partition: the others go on being
-// fetched, applied and committed. A worker holds at most the records it is
-// applying plus one poll's worth queued behind them; while it is behind,
-// its partition is paused (PauseFetchPartitions: kgo fetches nothing more
-// for it and drops what it had buffered, without moving the fetch position)
-// and it is resumed when the worker takes the queued records. A resumed
+// fetched, applied and committed. Each poll takes all that kgo has buffered
+// (PollFetches), so a pause drops nothing that was already fetched and
+// buffered. A worker that is behind (applying records, or with records
+// queued) and has at least MaxPollRecords queued has its partition paused
+// (PauseFetchPartitions: kgo fetches nothing more for it, without moving the
+// fetch position) and resumed when the worker takes the queued records. The
+// one fetch a pause wastes is the partition's part of a fetch response in
+// flight to its broker when it is paused: kgo buffers that response and
+// drops the partition's records from it at the next poll if the partition
+// is still paused; they are fetched again after the resume. So a partition
+// catching up on a backlog is fetched at most about twice per record
+// (TestAttackPWPauseRefetchAmplification), where polling MaxPollRecords at
+// a time dropped the rest of every fetch response at each pause. A resumed
 // partition is fetched again once the fetch in flight to its broker ends,
 // which for a broker whose other partitions are idle is a long poll of
 // FetchMaxWait: Run sets it to 100ms (kgo's default is 5s) unless
@@ -269,7 +286,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		r.monitorStuck(monitorCtx)
 	}()
 	for {
-		fetches := cl.PollRecords(r.pollContext(ctx), c.cfg.MaxPollRecords)
+		fetches := cl.PollFetches(r.pollContext(ctx))
 		r.endPoll()
 		if fetches.IsClientClosed() || ctx.Err() != nil {
 			// No rebalance runs until AllowRebalance: the workers
@@ -332,8 +349,8 @@ func (r *run) wakePoll() {
 
 // dispatch hands a partition's polled records to its worker, starting the
 // worker if the partition has none, and pauses the partition if the worker
-// is behind. Called by the poll loop before AllowRebalance, so no revoke
-// runs meanwhile; it never blocks.
+// is behind and has MaxPollRecords or more queued. Called by the poll loop
+// before AllowRebalance, so no revoke runs meanwhile; it never blocks.
 func (r *run) dispatch(p kgo.FetchTopicPartition) {
 	key := topicPartition{p.Topic, p.Partition}
 	r.mu.Lock()
@@ -356,7 +373,7 @@ func (r *run) dispatch(p kgo.FetchTopicPartition) {
 	}
 	behind := w.busy || len(w.queued) > 0
 	w.queued = append(w.queued, p.Records...)
-	if behind && !w.paused {
+	if behind && len(w.queued) >= r.cfg.MaxPollRecords && !w.paused {
 		w.paused = true
 		r.client.PauseFetchPartitions(map[string][]int32{key.topic: {key.partition}})
 	}

@@ -164,9 +164,11 @@ func TestStuckPartitionDoesNotStallOthers(t *testing.T) {
 }
 
 // While partition 0 is stuck, records keep arriving on it: its worker holds
-// at most the records it took plus one poll's worth queued, and the
-// partition is paused (kgo fetches nothing more for it). Released, all of
-// them are applied once, in order: nothing fetched and dropped is lost.
+// at most the records it took plus fewer than MaxPollRecords queued and one
+// more fetch's worth (FetchMaxPartitionBytes 1 makes each fetch carry one
+// record batch, here of at most 8 records), and the partition is paused
+// (kgo fetches nothing more for it). Released, all of them are applied
+// once, in order: nothing fetched and dropped is lost.
 func TestStuckPartitionBuffersBounded(t *testing.T) {
 	t.Parallel()
 	const maxPoll = 4
@@ -176,7 +178,8 @@ func TestStuckPartitionBuffersBounded(t *testing.T) {
 	g := newGate("b0-1")
 	c := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "bounded", MaxPollRecords: maxPoll,
 		CommitInterval: 100 * time.Millisecond,
-		Handlers:       []idem.EventHandler{orderConsumer("orders", g.handle)}}, nil)
+		Handlers:       []idem.EventHandler{orderConsumer("orders", g.handle)},
+		ClientOpts:     []kgo.Opt{kgo.FetchMaxPartitionBytes(1)}}, nil)
 	g.waitEntered(t)
 	// Many polls' worth behind the stuck record, in several produce calls,
 	// and traffic on partition 1 so that the poll loop keeps polling.
@@ -196,9 +199,9 @@ func TestStuckPartitionBuffersBounded(t *testing.T) {
 	for i := range 10 {
 		produceTo(t, addrs, 1, "b1", 64+i, 1)
 		taken, queued, busy, paused, ok = kafka.WorkerHolds(c.c, "orders", 0)
-		if !ok || taken > 2*maxPoll || queued > maxPoll || !paused {
+		if !ok || taken > 3 || queued > maxPoll-1+8 || !paused {
 			t.Fatalf("partition 0's worker holds %d taken + %d queued (busy %v, paused %v, ok %v), want at most %d + %d, paused",
-				taken, queued, busy, paused, ok, 2*maxPoll, maxPoll)
+				taken, queued, busy, paused, ok, 3, maxPoll-1+8)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
