@@ -136,8 +136,13 @@ func TestAttackPWNoGoroutineLeftAfterRun(t *testing.T) {
 	addrs := cluster(t, 4, "orders")
 	pool := db(t)
 	cl := manualProducer(t, addrs)
+	// Partition 2 in batches of 10, fetched one batch at a time
+	// (FetchMaxPartitionBytes 1): its slow worker is behind with 5 or more
+	// queued, so its partition is paused.
 	for p := range int32(4) {
-		produceTopic(t, cl, "orders", p, fmt.Sprintf("k%d", p), 0, 60)
+		for i := 0; i < 60; i += 10 {
+			produceTopic(t, cl, "orders", p, fmt.Sprintf("k%d", p), i, 10)
+		}
 	}
 	var stuck, backoff, exited atomic.Bool
 	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
@@ -163,11 +168,12 @@ func TestAttackPWNoGoroutineLeftAfterRun(t *testing.T) {
 				runtime.Goexit()
 			}
 		},
-		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())}})
+		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.FetchMaxPartitionBytes(1)}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel) // a failed wait below must not leave Run running
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
 	waitBounded(t, 15*time.Second, "every state reached", func() bool {
@@ -216,13 +222,13 @@ func TestAttackPWNoGoroutineLeftAfterRun(t *testing.T) {
 
 // Memory while many partitions are stuck at once (a database outage stalls
 // every partition's worker on its record in hand) and producers keep
-// filling them. Each worker holds at most 3×MaxPollRecords: it takes all
-// that is queued, which may be two polls' worth (dispatched before it took
-// any: the first poll does not pause, the second does), the take resumes
-// the partition, and one more poll is queued behind them. This measures
-// the sum, which the old consumer bounded by one poll (MaxPollRecords)
-// whatever the partition count: it grows with the partitions. It fails if
-// the per-partition bound is broken and logs the sum.
+// filling them. Each worker holds at most what it took (one poll's
+// delivery for the partition: the part of one fetch response), fewer than
+// MaxPollRecords queued, and one more delivery: a behind worker's
+// partition is paused once MaxPollRecords or more are queued. Here each
+// fetch carries one 100-record batch. This measures the sum, which grows
+// with the partitions. It fails if the per-partition bound is broken and
+// logs the sum.
 func TestAttackPWMemoryManyStuckPartitions(t *testing.T) {
 	t.Parallel()
 	const parts, maxPoll = 16, 50
@@ -238,8 +244,12 @@ func TestAttackPWMemoryManyStuckPartitions(t *testing.T) {
 		}
 		return applyOrder(ctx, tx, ev)
 	}
+	// One 100-record batch per fetch (FetchMaxPartitionBytes 1): a worker
+	// holds the batch it took, and fewer than MaxPollRecords queued plus
+	// one more batch.
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "mem", MaxPollRecords: maxPoll,
-		Handlers: []idem.EventHandler{orderConsumer("orders", handler)}}, nil)
+		Handlers:   []idem.EventHandler{orderConsumer("orders", handler)},
+		ClientOpts: []kgo.Opt{kgo.FetchMaxPartitionBytes(1)}}, nil)
 	for round := range 4 {
 		for p := range int32(parts) {
 			produceTopic(t, cl, "orders", p, fmt.Sprintf("y%d", p), round*100, 100)
@@ -264,8 +274,8 @@ func TestAttackPWMemoryManyStuckPartitions(t *testing.T) {
 	sum, maxOne, _ := held()
 	t.Logf("records held by the workers of %d stuck partitions: %d (max %d in one); MaxPollRecords %d",
 		parts, sum, maxOne, maxPoll)
-	if maxOne > 3*maxPoll {
-		t.Errorf("one worker holds %d records, more than 3×MaxPollRecords", maxOne)
+	if bound := 100 + maxPoll - 1 + 100; maxOne > bound {
+		t.Errorf("one worker holds %d records, more than %d (a batch taken, MaxPollRecords-1 and a batch queued)", maxOne, bound)
 	}
 	close(release)
 	want := map[int32]int64{}
@@ -308,7 +318,8 @@ func testTopicRecreatedWhilePaused(t *testing.T, other bool) {
 	group := fmt.Sprint("recreate-", other)
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: 5,
 		CommitInterval: 100 * time.Millisecond, Logger: slog.New(logs),
-		Handlers: []idem.EventHandler{orderConsumer("orders", handler), topicConsumer("other", "billing", applyOrder)}}, nil)
+		ClientOpts: []kgo.Opt{kgo.FetchMaxPartitionBytes(1)}, // one batch per delivery
+		Handlers:   []idem.EventHandler{orderConsumer("orders", handler), topicConsumer("other", "billing", applyOrder)}}, nil)
 	waitBounded(t, 15*time.Second, "partition 0 stuck and paused", func() bool {
 		_, _, _, paused, _ := kafka.WorkerHolds(r.c, "orders", 0)
 		return stuck.Load() && paused && appliedCount(t, pool, "old1") == 10

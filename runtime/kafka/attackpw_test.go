@@ -59,7 +59,12 @@ func produceTopicBG(t testing.TB, cl *kgo.Client, topic string, partition int32,
 
 func manualProducer(t testing.TB, addrs []string) *kgo.Client {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	// Batches of about 1 KB (some 15 records): a consumer fetching one
+	// batch per partition (FetchMaxPartitionBytes 1) gets a backlog in
+	// many deliveries, so a slow worker is behind and paused again and
+	// again.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.RecordPartitioner(kgo.ManualPartitioner()),
+		kgo.ProducerBatchMaxBytes(1024))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +116,7 @@ func TestAttackPWGoexitInOnRecordWhilePaused(t *testing.T) {
 			return applyOrder(ctx, tx, ev)
 		})},
 		OnRecord:   onRecord,
-		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())}}
+		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.FetchMaxPartitionBytes(1)}}
 	var err error
 	c, err = kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
@@ -189,7 +194,8 @@ func testPauseChurn(t *testing.T, tc pauseChurn) {
 	}
 	group := "churn-" + tc.name
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: tc.maxPoll,
-		BatchSize: tc.batch, CommitInterval: 100 * time.Millisecond, Handlers: handlers}, nil)
+		BatchSize: tc.batch, CommitInterval: 100 * time.Millisecond, Handlers: handlers,
+		ClientOpts: []kgo.Opt{kgo.FetchMaxPartitionBytes(1)}}, nil) // one batch per delivery: pause churn
 
 	waitBounded(t, 15*time.Second, "the consumer to join and start partition 0", func() bool {
 		_, _, _, _, ok := kafka.WorkerHolds(r.c, "orders", 0)
@@ -408,9 +414,10 @@ func TestAttackPWPartitionsMoveBackAndForthWhilePaused(t *testing.T) {
 			}
 			group := "backforth-" + bal.name
 			cfg := kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: 5, CommitInterval: 100 * time.Millisecond,
-				Handlers: []idem.EventHandler{orderConsumer("orders", slow)}}
+				Handlers:   []idem.EventHandler{orderConsumer("orders", slow)},
+				ClientOpts: []kgo.Opt{kgo.FetchMaxPartitionBytes(1)}} // one batch per delivery
 			if bal.opt != nil {
-				cfg.ClientOpts = []kgo.Opt{kgo.Balancers(bal.opt)}
+				cfg.ClientOpts = append(cfg.ClientOpts, kgo.Balancers(bal.opt))
 			}
 			logsA := &capture{}
 			cfgA := cfg

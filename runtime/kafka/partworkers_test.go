@@ -23,7 +23,9 @@ import (
 // partition of "orders", in that order.
 func produceTo(t *testing.T, addrs []string, partition int32, prefix string, from, n int) {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	// Batches of about 1 KB, as manualProducer's.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.RecordPartitioner(kgo.ManualPartitioner()),
+		kgo.ProducerBatchMaxBytes(1024))
 	if err != nil {
 		t.Fatal(err)
 	}
