@@ -236,7 +236,13 @@ type topicPartition struct {
 // marked; then the marked offsets, each that of a committed transaction, are
 // committed, and the new owner starts there. Partitions not revoked
 // (cooperative rebalancing) keep running. Lost partitions' workers are
-// cancelled and waited for too; kgo drops their marks.
+// cancelled and waited for too; kgo drops their marks. A revoke, a loss or
+// the shutdown waits at most 10s (stopWait) for a cancelled worker: one
+// whose handler ignores its context would otherwise stop the whole member
+// (kgo polls nothing while a revoke runs) or keep Run from returning. After
+// it, the worker is abandoned: an error is logged, it marks nothing more,
+// its partition is resumed, and its goroutine ends when its handler
+// returns.
 //
 // A runtime.Goexit in OnRecord ends the partition's worker: the poll loop
 // moves the partition's fetch position back to its first record not marked
@@ -440,9 +446,63 @@ func (r *run) stopWorkers(match func(topicPartition) bool) {
 	for _, w := range stop {
 		w.cancel()
 	}
+	timer := time.NewTimer(time.Duration(stopWait.Load()))
+	defer timer.Stop()
+	expired := false
 	for _, w := range stop {
-		<-w.done
+		if !expired {
+			select {
+			case <-w.done:
+			case <-timer.C:
+				expired = true
+			}
+		}
+		if expired {
+			select {
+			case <-w.done:
+			default:
+				w.abandon()
+			}
+		}
 		w.unpause()
+	}
+}
+
+// stopWait bounds how long stopWorkers waits for the cancelled workers to
+// end: a handler that ignores its context would otherwise hold the revoke
+// (and kgo polls nothing while a revoke runs: every partition of the
+// member stops) or the shutdown (Run never returns) for as long as it
+// blocks. Well above the processor's grace for a COMMIT in flight (1s).
+// Nanoseconds, atomic so that a test can shorten it.
+var stopWait atomic.Int64
+
+func init() { stopWait.Store(int64(10 * time.Second)) }
+
+// abandon gives up on a cancelled worker that has not ended within
+// stopWait: from now on it marks nothing (mark), so it cannot mark into a
+// later assignment of its partition or after Run returned, and the caller
+// goes on without it. Its goroutine is left running until its handler
+// returns; the transaction in hand either rolls back (its context is
+// cancelled) or, if its COMMIT was already under way, commits, and the
+// record is then a duplicate the partition's next owner skips (the
+// processed-event unique index).
+func (w *worker) abandon() {
+	w.mu.Lock()
+	w.abandoned = true
+	w.mu.Unlock()
+	w.r.logger.Error("a partition worker did not stop within the bound after its context was cancelled (a handler ignoring its context?); its goroutine is abandoned and marks nothing more, and the partition's records not marked will be applied by its next owner, skipping duplicates",
+		"group", w.r.cfg.Group, "topic", w.key.topic, "partition", w.key.partition, "offset", w.pending.Load(),
+		"waited", time.Duration(stopWait.Load()))
+}
+
+// mark marks rec's offset for commit unless the worker was abandoned.
+// Holding w.mu, so that abandon, once it returns, is never followed by a
+// mark.
+func (w *worker) mark(rec *kgo.Record) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.abandoned {
+		w.r.client.MarkCommitRecords(rec)
 	}
 }
 
@@ -471,6 +531,9 @@ type worker struct {
 	ended    bool          // the goroutine ended abnormally; the poll loop rewinds
 	rewindTo *kgo.Record   // when ended: the first record not marked
 	warned   bool          // the monitor warned that it is stuck
+	// abandoned: stopWorkers gave up waiting for it (stopWait); it marks
+	// nothing more.
+	abandoned bool
 
 	// For the stuck monitor: when the worker last finished a chunk or
 	// took records, and the offset of the first record not done.
@@ -755,9 +818,10 @@ func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string]
 }
 
 // onLost: the partitions are gone without a chance to commit (session
-// expired); their workers are stopped (and waited for, so none marks into a
-// later assignment), their marks are dropped by kgo, and the new owner
-// re-reads from the last commit, skipping duplicates.
+// expired); their workers are stopped (and waited for, or abandoned after
+// stopWait: either way none marks into a later assignment), their marks
+// are dropped by kgo, and the new owner re-reads from the last commit,
+// skipping duplicates.
 func (r *run) onLost(_ context.Context, _ *kgo.Client, lost map[string][]int32) {
 	r.logger.Warn("partitions lost", "group", r.cfg.Group, "partitions", fmt.Sprint(lost))
 	r.stopWorkers(inMap(lost))
@@ -796,13 +860,13 @@ func (r *run) processPartition(ctx context.Context, w *worker, recs []*kgo.Recor
 		}
 		if done < len(chunk) {
 			if done > 0 {
-				r.client.MarkCommitRecords(chunk[done-1])
+				w.mark(chunk[done-1])
 			}
 			*pending = chunk[done]
 			return chunk[done]
 		}
 		crash.Point(ctx, "consume.after-commit")
-		r.client.MarkCommitRecords(chunk[len(chunk)-1])
+		w.mark(chunk[len(chunk)-1])
 		*pending = nil
 		if end := start + len(chunk); end < len(recs) {
 			*pending = recs[end]

@@ -28,3 +28,7 @@ func SetStuckWarnAfter(d time.Duration) (restore func()) {
 	old := stuckWarnAfter.Swap(int64(d))
 	return func() { stuckWarnAfter.Store(old) }
 }
+
+// StopWait is how long a revoke, a loss or a shutdown waits for a cancelled
+// partition worker before abandoning it.
+func StopWait() time.Duration { return time.Duration(stopWait.Load()) }

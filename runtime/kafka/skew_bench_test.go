@@ -85,7 +85,7 @@ func benchSkewed(b *testing.B, batch int) {
 		mode = fmt.Sprintf("batch(%d)", batch)
 	}
 	benchkit.Emit(benchkit.Row{Section: "Consumer, skewed", Name: mode + ", one busy partition of two", Unit: "rec/s",
-		Value: records / d.Seconds(),
+		Value:  records / d.Seconds(),
 		Detail: fmt.Sprintf("%d records on partition 0, partition 1 idle; one run, first record applied to last; FetchMaxWait 100ms (the consumer's default): the busy partition is paused while its worker is behind, and a resumed partition waits for the idle partition's fetch in flight", records)})
 	b.Logf("%d records on one partition in %v: %.0f rec/s; effects %d", records, d, records/d.Seconds(),
 		pgtest.Count(b, pool, `SELECT count(*) FROM effects`))
