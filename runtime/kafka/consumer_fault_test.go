@@ -202,13 +202,36 @@ func TestRevokeDuringDBOutage(t *testing.T) {
 	direct, proxied, px := faultDB(t)
 	produceOrders(t, addrs, partitions, n, "rv")
 	var a, b outcomes
-	cfg := faultConfig(addrs, orderConsumer("orders", applyOrder))
+	// After its first 4 calls the handler waits at the gate, inside its
+	// transaction, until the database is down: A is surely mid-record
+	// with records left when the outage starts. (Without the gate the
+	// partition workers applied all 40 records between two looks at
+	// "A applied 4", and the database went down with nothing left.)
+	gate := make(chan struct{})
+	var calls, gated atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if calls.Add(1) > 4 {
+			gated.Add(1)
+			select {
+			case <-gate:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	cfg := faultConfig(addrs, orderConsumer("orders", handler))
 	cfg.MaxPollRecords = 4
 	cfg.OnRecord = a.record
+	logsA := &capture{}
+	cfg.Logger = slog.New(logsA)
 	ra := startConsumerOn(t, proxied, cfg)
-	waitBounded(t, 20*time.Second, "member A to apply some records", func() bool { return a.total() >= 4 })
+	waitBounded(t, 20*time.Second, "member A to apply 4 records and wait at the gate", func() bool { return a.total() >= 4 && gated.Load() > 0 })
 	px.Down()
-	time.Sleep(300 * time.Millisecond) // A is waiting for the database inside a poll
+	close(gate)
+	waitBounded(t, 20*time.Second, "member A waiting out the outage", func() bool {
+		return logsA.has("storage unavailable; waiting")
+	})
 
 	logs := &capture{}
 	cfg.OnRecord = b.record
