@@ -24,7 +24,10 @@ import (
 // (with a context that is not cancelled) and returns nil: that transaction
 // must not commit, and the abandoned worker must mark nothing. The fresh
 // worker applies every record exactly once, in order, and the committed
-// offset reaches the end.
+// offset reaches the end. The partition is paused (its worker stuck with
+// records queued, MaxPollRecords 1) when the worker is abandoned: A's
+// client must have resumed it, or the partition, back at A, is never
+// fetched again.
 func TestRevpwAbandonedWorkerPartitionBackToSameMember(t *testing.T) {
 	t.Parallel()
 	addrs := cluster(t, 1, "orders", "other")
@@ -49,18 +52,23 @@ func TestRevpwAbandonedWorkerPartitionBackToSameMember(t *testing.T) {
 		return applyOrder(ctx, tx, ev)
 	}
 	logsA := &capture{}
-	cfgA := kafka.ConsumerConfig{Brokers: addrs, Group: "back", MaxPollRecords: 10, CommitInterval: 100 * time.Millisecond,
+	cfgA := kafka.ConsumerConfig{Brokers: addrs, Group: "back", MaxPollRecords: 1, CommitInterval: 100 * time.Millisecond,
 		Logger: slog.New(logsA),
 		Handlers: []idem.EventHandler{topicConsumer("orders", "billing", stuck),
 			topicConsumer("other", "billing", applyOrder)}}
 	produceTopic(t, cl, "orders", 0, "o", 0, 3)
 	produceTopic(t, cl, "other", 0, "x", 0, 3)
-	startConsumer(t, pool, cfgA, nil)
+	a := startConsumer(t, pool, cfgA, nil)
 	select {
 	case <-entered:
 	case <-time.After(30 * time.Second):
 		t.Fatal("handler never reached o-1")
 	}
+	produceTopic(t, cl, "orders", 0, "o", 3, 2)
+	waitBounded(t, 15*time.Second, "orders/0 paused behind the stuck o-1", func() bool {
+		_, queued, _, paused, ok := kafka.WorkerHolds(a.c, "orders", 0)
+		return ok && paused && queued > 0
+	})
 	var relOnce sync.Once
 	free := func() { relOnce.Do(func() { close(release) }) }
 	t.Cleanup(free)
@@ -78,7 +86,7 @@ func TestRevpwAbandonedWorkerPartitionBackToSameMember(t *testing.T) {
 	waitBounded(t, 30*time.Second, "orders/0 assigned back to A", func() bool {
 		return logsA.has("partitions assigned", "map[orders:[0]]")
 	})
-	produceTopic(t, cl, "orders", 0, "o", 3, 2)
+	produceTopic(t, cl, "orders", 0, "o", 5, 2)
 	// Both of A's workers now hold orders/0: nothing past o-1 can be
 	// applied or committed while o-1's first transaction is open.
 	time.Sleep(500 * time.Millisecond) // a look at a state that must not change, not a wait for one
@@ -90,14 +98,14 @@ func TestRevpwAbandonedWorkerPartitionBackToSameMember(t *testing.T) {
 	}
 	free()
 	waitBounded(t, 30*time.Second, "A's fresh worker applies orders/0 to the end", func() bool {
-		return appliedCount(t, pool, "o") == 5
+		return appliedCount(t, pool, "o") == 7
 	})
 	waitBounded(t, 15*time.Second, "orders/0 committed to the end", func() bool {
-		return committedIs(t, addrs, "back", 1, map[int32]int64{0: 5})
+		return committedIs(t, addrs, "back", 1, map[int32]int64{0: 7})
 	})
-	wantAppliedInOrder(t, pool, "o", 5)
-	if n := count(t, pool, `SELECT count(*) FROM idem_processed_events WHERE event_id LIKE 'o-%'`); n != 5 {
-		t.Fatalf("%d processed-event rows for orders, want 5", n)
+	wantAppliedInOrder(t, pool, "o", 7)
+	if n := count(t, pool, `SELECT count(*) FROM idem_processed_events WHERE event_id LIKE 'o-%'`); n != 7 {
+		t.Fatalf("%d processed-event rows for orders, want 7", n)
 	}
 	if v, _ := calls.Load("o-1"); v == nil || v.(*atomic.Int64).Load() < 2 {
 		t.Fatalf("o-1 handled fewer than twice, want the abandoned call and at least one by a later worker")
