@@ -313,8 +313,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cl.AllowRebalance()
 		r.recoverRecreatedTopics()
 		if err := r.backOffFetchErrors(ctx, failing, fetches.NumRecords() > 0); err != nil {
-			r.stopWorkers(func(topicPartition) bool { return true })
-			return nil
+			// ctx ended during the wait. The next poll returns at once
+			// (its context is done), and the exit at the top of the loop
+			// stops the workers before AllowRebalance: stopping them here,
+			// after it, let a revoke commit before they had stopped.
+			continue
 		}
 	}
 }
