@@ -63,8 +63,9 @@ type ConsumerConfig struct {
 	// most the records it is applying, fewer than MaxPollRecords queued, and
 	// the partition's part of one more fetch response (up to about
 	// FetchMaxPartitionBytes, 1 MB by default, or one record batch if that
-	// is larger), besides what kgo itself buffers (one fetch response per
-	// broker). A smaller value pauses a partition that is behind sooner and
+	// is larger; two if both arrive before an idle worker wakes), besides
+	// what kgo itself buffers (one fetch response per broker, up to
+	// FetchMaxBytes). A smaller value pauses a partition that is behind sooner and
 	// more often; it does not bound the records taken per poll.
 	MaxPollRecords int
 	// OnRecord, if set, is called after each record is done (applied, a
