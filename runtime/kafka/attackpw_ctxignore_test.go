@@ -23,24 +23,18 @@ import (
 // on topic "orders", while the same member also consumes topic "other". A
 // second member joins that consumes "orders" only, so the cooperative
 // rebalance must move orders/0 away from the first member: the revoke
-// waits for the stuck worker. The README says such a handler "holds its
-// partition (and a revoke of that partition, until the group's rebalance
-// timeout removes the member; the other partitions go on)". This test
-// checks the last clause: records produced to "other" during the revoke
-// must still be applied.
+// waits for the stuck worker, and franz-go polls nothing meanwhile. The
+// wait is bounded (kafka.StopWait()): records produced to "other" during
+// the revoke are applied once it has passed and the worker is abandoned.
+// Without the bound the member stalled for as long as the handler blocked.
 func TestAttackPWCtxIgnoringHandlerRevokeStallsOtherPartitions(t *testing.T) {
 	t.Parallel()
 	addrs := cluster(t, 1, "orders", "other")
 	pool := db(t)
 	cl := manualProducer(t, addrs)
-	release := make(chan struct{})
-	entered := make(chan struct{})
-	var once sync.Once
+	ig := newCtxIgnorer("o-1")
 	stuck := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		if ev.EventID == "o-1" {
-			once.Do(func() { close(entered) })
-			<-release // ignores ctx, as a buggy handler would
-		}
+		ig.hold(ev)
 		return applyOrder(ctx, tx, ev)
 	}
 	logsA := &capture{}
@@ -51,20 +45,14 @@ func TestAttackPWCtxIgnoringHandlerRevokeStallsOtherPartitions(t *testing.T) {
 	produceTopic(t, cl, "orders", 0, "o", 0, 3)
 	produceTopic(t, cl, "other", 0, "x", 0, 3)
 	startConsumer(t, pool, cfgA, nil)
-	select {
-	case <-entered:
-	case <-time.After(30 * time.Second):
-		t.Fatal("handler never reached o-1")
-	}
+	ig.waitEntered(t)
 	waitBounded(t, 15*time.Second, "other's first records", func() bool { return appliedCount(t, pool, "x") == 3 })
 	logsB := &capture{}
 	cfgB := kafka.ConsumerConfig{Brokers: addrs, Group: "ign", MaxPollRecords: 10, CommitInterval: 100 * time.Millisecond,
 		Logger:   slog.New(logsB),
 		Handlers: []idem.EventHandler{topicConsumer("orders", "billing", applyOrder)}}
 	startConsumer(t, pool, cfgB, nil)
-	var relOnce sync.Once
-	free := func() { relOnce.Do(func() { close(release) }) }
-	t.Cleanup(free) // registered last: runs before the consumers' shutdowns
+	t.Cleanup(ig.free) // registered last: runs before the consumers' shutdowns
 	waitBounded(t, 15*time.Second, "A to start revoking orders/0", func() bool {
 		return logsA.has("partitions revoked", "orders:[0]")
 	})
@@ -86,7 +74,7 @@ func TestAttackPWCtxIgnoringHandlerRevokeStallsOtherPartitions(t *testing.T) {
 	// transaction rolls back (its context is cancelled), and B applies
 	// orders/0 from o-1: every record exactly once, in order.
 	produceTopic(t, cl, "orders", 0, "o", 3, 2)
-	free()
+	ig.free()
 	waitBounded(t, 30*time.Second, "B applies orders/0 from o-1", func() bool { return appliedCount(t, pool, "o") == 5 })
 	wantAppliedInOrder(t, pool, "o", 5)
 }
@@ -102,19 +90,12 @@ func TestAttackPWCtxIgnoringHandlerShutdown(t *testing.T) {
 	t.Parallel()
 	addrs := cluster(t, 2, "orders")
 	pool := db(t)
-	release := make(chan struct{})
-	entered := make(chan struct{})
-	var once sync.Once
+	ig := newCtxIgnorer("s-1")
 	stuck := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		if ev.EventID == "s-1" {
-			once.Do(func() { close(entered) })
-			<-release
-		}
+		ig.hold(ev)
 		return applyOrder(ctx, tx, ev)
 	}
-	var relOnce sync.Once
-	free := func() { relOnce.Do(func() { close(release) }) }
-	defer free()
+	defer ig.free()
 	produceTo(t, addrs, 0, "s", 0, 3)
 	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{Brokers: addrs, Group: "ignshut",
 		Handlers:   []idem.EventHandler{orderConsumer("orders", stuck)},
@@ -125,7 +106,7 @@ func TestAttackPWCtxIgnoringHandlerShutdown(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	<-entered
+	ig.waitEntered(t)
 	start := time.Now()
 	cancel()
 	bound := kafka.StopWait() + 5*time.Second
@@ -137,7 +118,46 @@ func TestAttackPWCtxIgnoringHandlerShutdown(t *testing.T) {
 		t.Logf("Run returned %v after its context was cancelled", time.Since(start).Round(time.Millisecond))
 	case <-time.After(bound):
 		t.Errorf("Run did not return %v after its context was cancelled, with a handler ignoring its context", bound)
-		free()
+		ig.free()
 		<-done
 	}
 }
+
+// ctxIgnorer makes a handler block on one event, ignoring its context, as a
+// buggy handler would, until the test frees it.
+type ctxIgnorer struct {
+	stuckID          string
+	entered, release chan struct{}
+	enter, freed     sync.Once
+}
+
+func newCtxIgnorer(stuckID string) *ctxIgnorer {
+	return &ctxIgnorer{stuckID: stuckID, entered: make(chan struct{}), release: make(chan struct{})}
+}
+
+// hold blocks the first call for the stuck event until free, ignoring the
+// context, and reports whether it was that call.
+func (c *ctxIgnorer) hold(ev order) bool {
+	if ev.EventID != c.stuckID {
+		return false
+	}
+	first := false
+	c.enter.Do(func() { first = true; close(c.entered) })
+	if first {
+		<-c.release
+	}
+	return first
+}
+
+// waitEntered waits for the stuck event's first call to block.
+func (c *ctxIgnorer) waitEntered(t *testing.T) {
+	t.Helper()
+	select {
+	case <-c.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("handler never reached %s", c.stuckID)
+	}
+}
+
+// free releases the blocked call (and any later one); safe to call twice.
+func (c *ctxIgnorer) free() { c.freed.Do(func() { close(c.release) }) }
