@@ -96,12 +96,7 @@ func TestAttackPWCrashWhilePaused(t *testing.T) {
 func testCrashWhilePaused(t *testing.T, batch int) {
 	const parts, per = 4, 200
 	addrs := cluster(t, parts, "orders")
-	url := pgtest.Schema(t)
-	direct := pgtest.PoolURL(t, url, nil)
-	if err := idem.Migrate(context.Background(), direct); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	url, direct := effectsSchema(t)
 	cl := manualProducer(t, addrs)
 	for p := range int32(parts) {
 		produceTopic(t, cl, "orders", p, fmt.Sprintf("z%d", p), 0, per/2)
@@ -158,12 +153,7 @@ func TestAttackPWFrozenMemberLosesPartitionsWhilePaused(t *testing.T) {
 	t.Parallel()
 	const parts, per = 4, 150
 	addrs := cluster(t, parts, "orders")
-	url := pgtest.Schema(t)
-	direct := pgtest.PoolURL(t, url, nil)
-	if err := idem.Migrate(context.Background(), direct); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	url, direct := effectsSchema(t)
 	cl := manualProducer(t, addrs)
 	for p := range int32(parts) {
 		produceTopic(t, cl, "orders", p, fmt.Sprintf("f%d", p), 0, per)
@@ -200,4 +190,17 @@ func TestAttackPWFrozenMemberLosesPartitionsWhilePaused(t *testing.T) {
 	if n := count(t, direct, `SELECT count(*) FROM idem_processed_events`); n != parts*per {
 		t.Fatalf("%d processed-event rows, want %d", n, parts*per)
 	}
+}
+
+// effectsSchema is a schema of its own, migrated, with the effects table:
+// its URL (for child processes) and a pool on it.
+func effectsSchema(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	url := pgtest.Schema(t)
+	direct := pgtest.PoolURL(t, url, nil)
+	if err := idem.Migrate(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, direct, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
+	return url, direct
 }

@@ -341,13 +341,7 @@ func testRebalanceChurn(t *testing.T, name string, balancer kgo.GroupBalancer) {
 	}
 	members := []member{start(), start(), start()}
 	var wg sync.WaitGroup
-	wg.Go(func() {
-		for i := 0; i < streamed; i += 10 {
-			for p := range int32(parts) {
-				produceTopicBG(t, cl, "orders", p, fmt.Sprintf("q%d", p), pre+i, 10)
-			}
-		}
-	})
+	wg.Go(func() { streamOrders(t, cl, "q", parts, pre, streamed) })
 	total := func() int64 { return count(t, pool, `SELECT count(*) FROM effects`) }
 	for i := range 8 {
 		before := total()
@@ -428,13 +422,7 @@ func TestAttackPWPartitionsMoveBackAndForthWhilePaused(t *testing.T) {
 				return paused
 			})
 			var wg sync.WaitGroup
-			wg.Go(func() {
-				for i := 0; i < streamed; i += 10 {
-					for p := range int32(parts) {
-						produceTopicBG(t, cl, "orders", p, fmt.Sprintf("b%d", p), pre+i, 10)
-					}
-				}
-			})
+			wg.Go(func() { streamOrders(t, cl, "b", parts, pre, streamed) })
 			total := func() int64 { return count(t, pool, `SELECT count(*) FROM effects`) }
 			for i := range 6 {
 				logsB := &capture{}
@@ -471,5 +459,16 @@ func TestAttackPWPartitionsMoveBackAndForthWhilePaused(t *testing.T) {
 				t.Fatalf("%d processed-event rows, want %d", n, parts*(pre+streamed))
 			}
 		})
+	}
+}
+
+// streamOrders produces streamed more records to each of parts partitions of
+// "orders", ten at a time round the partitions, with event ids
+// <prefix><partition>-<n> from pre on.
+func streamOrders(t *testing.T, cl *kgo.Client, prefix string, parts, pre, streamed int) {
+	for i := 0; i < streamed; i += 10 {
+		for p := range int32(parts) {
+			produceTopicBG(t, cl, "orders", p, fmt.Sprintf("%s%d", prefix, p), pre+i, 10)
+		}
 	}
 }
