@@ -16,6 +16,7 @@ import (
 	"os/signal"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -291,20 +292,8 @@ func TestReadinessFailsBeforeListenerCloses(t *testing.T) {
 func TestMigrateFromManyProcesses(t *testing.T) {
 	t.Parallel()
 	dbURL := pgtest.Schema(t)
-	const n = 6
-	children := make([]*childProc, n)
-	for i := range children {
-		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
-	}
-	for i, c := range children {
-		select {
-		case <-c.exited:
-			if c.err != nil {
-				t.Fatalf("migrating process %d: %v", i, c.err)
-			}
-		case <-time.After(60 * time.Second):
-			t.Fatalf("migrating process %d still running after 60s", i)
-		}
+	if !migrateInChildren(t, dbURL, 6, 60*time.Second) {
+		t.FailNow()
 	}
 	pool, err := pgxpool.New(context.Background(), dbURL)
 	if err != nil {
@@ -333,5 +322,61 @@ func TestMigrateCurrentTakesNoLock(t *testing.T) {
 	defer cancel()
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatalf("Migrate with a request in flight: %v", err)
+	}
+}
+
+// migrateInChildren runs idem.Migrate on dbURL in n child processes at once
+// and waits up to limit for each, reporting (t.Errorf) each that failed or
+// is still running. It reports whether all of them succeeded.
+func migrateInChildren(t *testing.T, dbURL string, n int, limit time.Duration) bool {
+	t.Helper()
+	children := make([]*childProc, n)
+	for i := range children {
+		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
+	}
+	ok := true
+	for i, c := range children {
+		select {
+		case <-c.exited:
+			if c.err != nil {
+				t.Errorf("migrating process %d: %v", i, c.err)
+				ok = false
+			}
+		case <-time.After(limit):
+			t.Errorf("migrating process %d still running after %v", i, limit)
+			ok = false
+		}
+	}
+	return ok
+}
+
+// outboxWriters starts n goroutines that insert outbox rows of default
+// columns only (a previous schema's outbox and the current one both take
+// them) as fast as they can, until the returned stop is called; stop waits
+// for them and returns how many rows they inserted.
+func outboxWriters(t *testing.T, pool *pgxpool.Pool, n int) (stop func() int64) {
+	done := make(chan struct{})
+	var inserted atomic.Int64
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x00')`); err != nil {
+					t.Errorf("outbox insert during the upgrade: %v", err)
+					return
+				}
+				inserted.Add(1)
+			}
+		})
+	}
+	return func() int64 {
+		close(done)
+		wg.Wait()
+		return inserted.Load()
 	}
 }

@@ -293,20 +293,8 @@ func TestMigrateUpgradeUnderLoadFromManyProcesses(t *testing.T) {
 		INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset) VALUES ('c', 'e', 't', 0, 0)`)
 	defer release()
 
-	const n = 4
-	children := make([]*childProc, n)
-	for i := range children {
-		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
-	}
-	for i, c := range children {
-		select {
-		case <-c.exited:
-			if c.err != nil {
-				t.Fatalf("migrating process %d: %v", i, c.err)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatalf("migrating process %d still running after 30s with requests in flight", i)
-		}
+	if !migrateInChildren(t, dbURL, 4, 30*time.Second) { // with requests in flight
+		t.FailNow()
 	}
 	if v := pgtest.Count(t, pool, `SELECT count(*) FROM idem_schema_version WHERE digest = $1`, idem.SchemaVersion()); v != 1 {
 		t.Fatal("schema version not recorded")

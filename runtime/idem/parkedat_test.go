@@ -3,8 +3,6 @@ package idem_test
 import (
 	"context"
 	"os"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -47,42 +45,10 @@ INSERT INTO idem_outbox (topic, payload, status, published_at) VALUES ('t', '', 
 	const filenode = `SELECT pg_relation_filenode('idem_outbox')::bigint`
 	before := pgtest.Count(t, pool, filenode)
 
-	stop := make(chan struct{})
-	var inserted atomic.Int64
-	var wg sync.WaitGroup
-	for range 2 {
-		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x00')`); err != nil {
-					t.Errorf("outbox insert during the upgrade: %v", err)
-					return
-				}
-				inserted.Add(1)
-			}
-		})
-	}
+	stopWriters := outboxWriters(t, pool, 2)
 	time.Sleep(50 * time.Millisecond)
-	children := make([]*childProc, 4)
-	for i := range children {
-		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
-	}
-	for i, c := range children {
-		select {
-		case <-c.exited:
-			if c.err != nil {
-				t.Errorf("migrating process %d: %v", i, c.err)
-			}
-		case <-time.After(60 * time.Second):
-			t.Errorf("migrating process %d still running after 60s", i)
-		}
-	}
-	close(stop)
-	wg.Wait()
+	migrateInChildren(t, dbURL, 4, 60*time.Second)
+	inserted := stopWriters()
 	if t.Failed() {
 		return
 	}
@@ -101,7 +67,7 @@ INSERT INTO idem_outbox (topic, payload, status, published_at) VALUES ('t', '', 
 	if after := pgtest.Count(t, pool, filenode); after != before {
 		t.Errorf("idem_outbox rewritten: filenode %d, was %d", after, before)
 	}
-	if rows, want := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE parked_at IS NULL`), 3+inserted.Load(); rows != want {
+	if rows, want := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE parked_at IS NULL`), 3+inserted; rows != want {
 		t.Errorf("%d rows with parked_at NULL, want all %d", rows, want)
 	}
 

@@ -352,43 +352,9 @@ func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
 	t.Parallel()
 	dbURL, pool := oldSchema(t)
 
-	stop := make(chan struct{})
-	var inserted atomic.Int64
-	var wg sync.WaitGroup
-	for range 4 {
-		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				// Default columns only: the old schema's and the new one's
-				// outbox both take this row.
-				if _, err := pool.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x00')`); err != nil {
-					t.Errorf("outbox insert during the upgrade: %v", err)
-					return
-				}
-				inserted.Add(1)
-			}
-		})
-	}
+	stopWriters := outboxWriters(t, pool, 4)
 	time.Sleep(100 * time.Millisecond)
-	const n = 4
-	children := make([]*childProc, n)
-	for i := range children {
-		children[i] = startChildProc(t, "migrate", "DATABASE_URL="+dbURL)
-	}
-	for i, c := range children {
-		select {
-		case <-c.exited:
-			if c.err != nil {
-				t.Errorf("migrating process %d: %v", i, c.err)
-			}
-		case <-time.After(60 * time.Second):
-			t.Errorf("migrating process %d still running after 60s", i)
-		}
-	}
+	migrateInChildren(t, dbURL, 4, 60*time.Second)
 	// Let the writers insert after the upgrade (they must get a UUIDv7),
 	// waiting for such a row rather than a fixed 100ms, which four starved
 	// writers can spend without a commit.
@@ -397,8 +363,7 @@ func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
 			break
 		}
 	}
-	close(stop)
-	wg.Wait()
+	inserted := stopWriters()
 	if t.Failed() {
 		return
 	}
@@ -407,8 +372,8 @@ func TestMigrateEventIDDefaultUnderOutboxLoad(t *testing.T) {
 		t.Fatal("event_id default not switched to idem_uuid_v7")
 	}
 	rows := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox`)
-	if distinct := pgtest.Count(t, pool, `SELECT count(DISTINCT event_id) FROM idem_outbox`); distinct != rows || rows != inserted.Load() {
-		t.Fatalf("%d rows, %d distinct event ids, %d inserts", rows, distinct, inserted.Load())
+	if distinct := pgtest.Count(t, pool, `SELECT count(DISTINCT event_id) FROM idem_outbox`); distinct != rows || rows != inserted {
+		t.Fatalf("%d rows, %d distinct event ids, %d inserts", rows, distinct, inserted)
 	}
 	if v7 := pgtest.Count(t, pool, `SELECT count(*) FROM idem_outbox WHERE substr(event_id, 15, 1) = '7'`); v7 == 0 {
 		t.Fatal("no insert after the upgrade got a UUIDv7")
