@@ -173,6 +173,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case errors.As(err, &u):
 		fmt.Fprintf(stderr, "idemctl %s: %v\n", name, err)
 		return exitError
+	case errors.Is(err, admin.ErrProducedNotMarked):
+		// Before the timeout case: a mark cut short by the command's
+		// deadline must not read as "the database did not answer" alone.
+		fmt.Fprintf(stderr, "idemctl %s: %v\n%s", name, err, c.notMarkedAdvice)
+		return exitError
 	case c.timedOut():
 		fmt.Fprintf(stderr, "idemctl %s: gave up after %v (IDEMCTL_TIMEOUT): the database at %s did not answer in time: %v\n", name, c.deadline, c.dbHost(), err)
 		return exitError
@@ -210,7 +215,10 @@ type cli struct {
 	cancel                   context.CancelFunc
 	// processedAge is replay's --processed-event-age.
 	processedAge time.Duration
-	host         string
+	// notMarkedAdvice is what replay tells the operator when the record was
+	// produced but the dead letter not marked (admin.ErrProducedNotMarked).
+	notMarkedAdvice string
+	host            string
 }
 
 // admin connects to DATABASE_URL and puts the command's context under its
@@ -884,8 +892,13 @@ func (c *cli) deadLettersReplay(args []string) error {
 		defer cancel()
 		return cl.ProduceSync(pctx, rec).FirstErr()
 	}
+	c.notMarkedAdvice = fmt.Sprintf("idemctl: dead letter %[1]d still looks unreplayed, but its record is in the topic: do not replay it again "+
+		"to retry the mark, which produces the record a second time (consumers skip that copy by its event id only while they keep "+
+		"its processed-event row, see --processed-event-age). Check `idemctl deadletters show --id %[1]d`: if it says replayed=, the "+
+		"mark did commit; if not, once the consumers have applied the record, `idemctl deadletters discard --id %[1]d --yes` "+
+		"takes the dead letter off the list\n", *id)
 	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
-	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() {
+	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() && !errors.Is(err, admin.ErrProducedNotMarked) {
 		if derr := dialErr.get(); derr != nil {
 			return fmt.Errorf("no ack from KAFKA_BROKERS within --timeout %v (last connection error: %v); dead letter %d stays unreplayed: %w", *timeout, derr, *id, err)
 		}

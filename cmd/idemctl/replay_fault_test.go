@@ -3,12 +3,14 @@ package main
 import (
 	"bytes"
 	"context"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemgen/idemgen/internal/faultproxy"
@@ -75,5 +77,96 @@ func TestReplayBrokerSilentAfterProduce(t *testing.T) {
 	}
 	if replayed != nil {
 		t.Errorf("dead letter marked replayed at %v though the broker never acked", replayed)
+	}
+}
+
+// TestReplayMarkLostAfterAck: the database connection of the replay is
+// lost after the broker got the record and before the mark commits (here:
+// terminated while the produce request is at the broker, which then acks).
+// idemctl must say that the record WAS produced and the dead letter NOT
+// marked, and what to do about it; it said "produced, but marking it
+// replayed failed (a second replay is deduplicated by event id)", which
+// read as an invitation to replay it again.
+func TestReplayMarkLostAfterAck(t *testing.T) {
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	app := "idemctl-marklost-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.confirmed"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cluster.Close()
+	terminated := make(chan int64, 8)
+	cluster.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		var n int64
+		if err := conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE application_name = $1 AND state = 'idle in transaction'`, app).Scan(&n); err != nil {
+			t.Error(err)
+		}
+		terminated <- n
+		return nil, nil, false // the broker writes the record and acks
+	})
+	t.Setenv("DATABASE_URL", dbURL+"&application_name="+app)
+	t.Setenv("KAFKA_BROKERS", strings.Join(cluster.ListenAddrs(), ","))
+	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+		VALUES (1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-1'::bytea], 3, 'boom')`); err != nil {
+		t.Fatal(err)
+	}
+
+	var stdout, stderr bytes.Buffer
+	code := run(ctx, []string{"deadletters", "replay", "--id", "1", "--yes", "--timeout", "10s"}, &stdout, &stderr)
+	select {
+	case n := <-terminated:
+		if n != 1 {
+			t.Fatalf("terminated %d replay connections at the produce, want 1; stderr: %s", n, stderr.String())
+		}
+	default:
+		t.Fatalf("the broker got no produce request; exit %d, stderr: %s", code, stderr.String())
+	}
+	if code != exitError {
+		t.Errorf("exit %d, want %d", code, exitError)
+	}
+	t.Logf("stderr:\n%s", stderr.String())
+	for _, w := range []string{
+		"the record WAS produced (the broker acked it) but the dead letter was NOT marked replayed",
+		"do not replay it again",
+		"idemctl deadletters show --id 1",
+		"idemctl deadletters discard --id 1 --yes",
+	} {
+		if !strings.Contains(stderr.String(), w) {
+			t.Errorf("stderr does not say %q:\n%s", w, stderr.String())
+		}
+	}
+	var replayed *time.Time
+	if err := conn.QueryRow(ctx, `SELECT replayed_at FROM idem_dead_letters WHERE id = 1`).Scan(&replayed); err != nil || replayed != nil {
+		t.Errorf("replayed_at = %v (%v), want NULL: the mark's connection was lost", replayed, err)
+	}
+	// The record is in the topic all the same.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(cluster.ListenAddrs()...), kgo.ConsumeTopics("orders.confirmed"),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var got []*kgo.Record
+	for len(got) == 0 && pctx.Err() == nil {
+		got = append(got, cl.PollFetches(pctx).Records()...)
+	}
+	if len(got) != 1 || string(got[0].Value) != "v" {
+		t.Errorf("records in the topic: %d, want the replayed one", len(got))
 	}
 }

@@ -478,6 +478,15 @@ func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
 	return n > 0, nil
 }
 
+// ErrProducedNotMarked: ReplayDeadLetter produced the record (the broker
+// acknowledged it) but could not mark the dead letter replayed. The dead
+// letter still looks unreplayed; replaying it again produces a second copy.
+var ErrProducedNotMarked = errors.New("the record WAS produced (the broker acked it) but the dead letter was NOT marked replayed")
+
+// markTimeout bounds the commit of a replay's mark once the broker acked,
+// which runs even if the caller's context ends (see ReplayDeadLetter).
+const markTimeout = 10 * time.Second
+
 // Producer produces a dead letter's record (topic, key, value, headers) to
 // the broker and returns only once the broker acknowledged it.
 type Producer func(ctx context.Context, d DeadLetter) error
@@ -496,8 +505,17 @@ type Producer func(ctx context.Context, d DeadLetter) error
 // row, so two operators replaying it at once produce it once, and a failed
 // produce rolls the mark back. If the process dies between the ack and the
 // commit, the dead letter is still unreplayed and a second replay produces
-// it again; consumers deduplicate that by event id. It returns false if
-// there is no such dead letter or it was replayed already.
+// it again; consumers deduplicate that by event id (again as long as they
+// keep its processed-event row). It returns false if there is no such dead
+// letter or it was replayed already.
+//
+// Once produce has returned nil the record is out and cannot be taken back,
+// so the mark is committed even if ctx is cancelled or its deadline passes
+// meanwhile (an operator's Ctrl-C right after the ack), like a COMMIT
+// already decided: under context.WithoutCancel, bounded by a timeout of its
+// own (10s). If that commit fails all the same, the error wraps
+// ErrProducedNotMarked (and the commit's error): the caller must tell the
+// operator that the record went out.
 //
 // It holds one pooled connection at a time: the dead letter is read before
 // the transaction begins (the row's bytes never change, so it is the same
@@ -527,8 +545,13 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 	if err := produce(ctx, d); err != nil {
 		return false, fmt.Errorf("replay dead letter %d: produce to %q partition-key %q: %w", id, d.Topic, d.Key, err)
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return false, fmt.Errorf("replay dead letter %d: produced, but marking it replayed failed (a second replay is deduplicated by event id): %w", id, err)
+	// The broker acked: the mark is decided. Committed on ctx, a
+	// cancellation now (Ctrl-C just after the ack) rolled it back, and the
+	// operator, told the replay failed, replayed the record a second time.
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
+	defer cancel()
+	if err := tx.Commit(mctx); err != nil {
+		return false, fmt.Errorf("replay dead letter %d to %q (partition-key %q): %w: %w", id, d.Topic, d.Key, ErrProducedNotMarked, err)
 	}
 	return true, nil
 }
