@@ -57,7 +57,10 @@ Dead letters:
   deadletters list    [--context C] [--topic T] [--all] [--limit N] [--after ID]
                                            not yet replayed ones (--all: replayed too),
                                            a page of --limit (default 100)
-  deadletters show    --id N               key, value and headers, escaped
+  deadletters show    --id N [--max-bytes 4096 | --full]
+                                           key, value and headers, escaped; each cut at
+                                           --max-bytes bytes (its full size noted), --full:
+                                           whole
   deadletters replay  --id N [--yes] [--timeout 30s] [--processed-event-age 168h] [--force]
                                            re-produce to its topic (needs KAFKA_BROKERS),
                                            mark it replayed once the broker acked; one
@@ -218,7 +221,11 @@ type cli struct {
 	// notMarkedAdvice is what replay tells the operator when the record was
 	// produced but the dead letter not marked (admin.ErrProducedNotMarked).
 	notMarkedAdvice string
-	host            string
+	// maxBytes bounds each field deadletters show prints (key, value,
+	// header names and values, last_error, context, topic); 0: unbounded
+	// (--full).
+	maxBytes int
+	host     string
 }
 
 // admin connects to DATABASE_URL and puts the command's context under its
@@ -730,22 +737,42 @@ func replayed(d admin.DeadLetter) string {
 }
 
 func (c *cli) printDeadLetter(d admin.DeadLetter) {
-	c.printf("id:         %d\ncontext:    %s\nrecord:     %s partition %d offset %d\nattempts:   %d\nat:         %s\nlast_error: %s\nkey:        %s\nvalue:      %s\nheaders:    %d\n",
-		d.ID, escape([]byte(d.Context)), escape([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts,
-		d.CreatedAt.UTC().Format(time.RFC3339)+replayed(d), escape([]byte(d.LastError)), escape(d.Key), escape(d.Value), len(d.Headers))
+	field := func(b []byte) string { return escapeMax(b, c.maxBytes) }
+	c.printf("id:         %d\ncontext:    %s\nrecord:     %s partition %d offset %d\nattempts:   %d\nat:         %s\nlast_error: %s\nkey:        %s\nvalue:      %s\n",
+		d.ID, field([]byte(d.Context)), field([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts,
+		d.CreatedAt.UTC().Format(time.RFC3339)+replayed(d), field([]byte(d.LastError)), field(d.Key), field(d.Value))
+	c.printf("headers:    %d\n", len(d.Headers))
 	for _, h := range d.Headers {
-		c.printf("  %s: %s\n", escape([]byte(h.Key)), escape(h.Value))
+		c.printf("  %s: %s\n", field([]byte(h.Key)), field(h.Value))
 	}
 }
+
+// defaultMaxBytes is how many bytes of each field deadletters show prints
+// by default: a poison record of megabytes flooded the terminal.
+const defaultMaxBytes = 4096
 
 func (c *cli) deadLettersShow(args []string) error {
 	fs := flag.NewFlagSet("deadletters show", flag.ContinueOnError)
 	id := idFlag(fs)
+	maxBytes := fs.Int("max-bytes", defaultMaxBytes, "print at most this many bytes of each field (key, value, each header), noting its full size")
+	full := fs.Bool("full", false, "print every field whole")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if err := needID(*id); err != nil {
 		return err
+	}
+	seen := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { seen[f.Name] = true })
+	switch {
+	case *full && seen["max-bytes"]:
+		return usageError("choose one of --max-bytes N and --full")
+	case *full:
+		c.maxBytes = 0
+	case *maxBytes <= 0:
+		return usageError("--max-bytes must be positive (--full prints every field whole)")
+	default:
+		c.maxBytes = *maxBytes
 	}
 	a, err := c.admin()
 	if err != nil {
@@ -1085,6 +1112,26 @@ func (c *cli) keysRelease(args []string) error {
 	}
 	c.printf("released %s\n", k)
 	return nil
+}
+
+// escapeMax is escape of at most limit bytes of b (0: all of it), noting the
+// full size when it cut: "…" (first 4096 of 5242880 bytes; --full shows
+// all). Valid UTF-8 is cut at a rune boundary and stays Go-quoted; anything
+// else is hex of its first limit bytes.
+func escapeMax(b []byte, limit int) string {
+	if limit <= 0 || len(b) <= limit {
+		return escape(b)
+	}
+	cut := b[:limit]
+	if utf8.Valid(b) {
+		n := limit
+		for n > 0 && !utf8.RuneStart(b[n]) {
+			n--
+		}
+		cut = b[:n]
+		return fmt.Sprintf("%s (first %d of %d bytes; --full shows all)", strconv.Quote(string(cut)), len(cut), len(b))
+	}
+	return fmt.Sprintf("hex:%x (first %d of %d bytes; --full shows all)", cut, len(cut), len(b))
 }
 
 // escape renders bytes for a terminal: valid UTF-8 as a Go-quoted string

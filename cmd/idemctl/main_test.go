@@ -479,3 +479,52 @@ func TestPurgeInterruptedCountsWhatItDeleted(t *testing.T) {
 		t.Skip("no run was interrupted mid-purge")
 	}
 }
+
+// TestShowBoundedByDefault: deadletters show of a 4 MiB poison record
+// printed all of it (8 MiB as hex) to the terminal. By default each field
+// is cut at 4096 bytes with its full size noted; --full prints it whole.
+func TestShowBoundedByDefault(t *testing.T) {
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DATABASE_URL", dbURL)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	const size = 4 << 20
+	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+		VALUES (1, 'billing', 'orders.confirmed', 0, 7, convert_to(repeat('k', $1), 'UTF8'), convert_to(repeat('v', $1), 'UTF8'),
+		        ARRAY['h'::bytea], ARRAY[decode(repeat('ff', $1), 'hex')], 3, 'boom')`, size); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr strings.Builder
+	if code := run(ctx, []string{"deadletters", "show", "--id", "1"}, &stdout, &stderr); code != exitOK {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if n := stdout.Len(); n > 32<<10 {
+		t.Errorf("deadletters show printed %d bytes for a record of 3 × %d bytes; want each field cut at 4096 bytes", n, size)
+	}
+	for _, w := range []string{
+		`key:        "` + strings.Repeat("k", 4096) + `" (first 4096 of 4194304 bytes; --full shows all)` + "\n",
+		`value:      "` + strings.Repeat("v", 4096) + `" (first 4096 of 4194304 bytes; --full shows all)` + "\n",
+		`  "h": hex:` + strings.Repeat("ff", 4096) + ` (first 4096 of 4194304 bytes; --full shows all)` + "\n",
+	} {
+		if !strings.Contains(stdout.String(), w) {
+			t.Errorf("stdout lacks %.60q…", w)
+		}
+	}
+	stdout.Reset()
+	if code := run(ctx, []string{"deadletters", "show", "--id", "1", "--full"}, &stdout, &stderr); code != exitOK {
+		t.Fatalf("--full: exit %d: %s", code, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), `value:      "`+strings.Repeat("v", size)+`"`+"\n") || strings.Contains(stdout.String(), "first 4096") {
+		t.Errorf("--full did not print the value whole (%d bytes of output)", stdout.Len())
+	}
+}
