@@ -741,9 +741,24 @@ func (c *cli) printDeadLetter(d admin.DeadLetter) {
 	c.printf("id:         %d\ncontext:    %s\nrecord:     %s partition %d offset %d\nattempts:   %d\nat:         %s\nlast_error: %s\nkey:        %s\nvalue:      %s\n",
 		d.ID, field([]byte(d.Context)), field([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts,
 		d.CreatedAt.UTC().Format(time.RFC3339)+replayed(d), field([]byte(d.LastError)), field(d.Key), field(d.Value))
-	c.printf("headers:    %d\n", len(d.Headers))
+	if !d.HeadersDamaged() {
+		c.printf("headers:    %d\n", len(d.Headers))
+	} else {
+		// Only a row edited by hand has this: show what is there rather
+		// than refuse the whole dead letter ("2 header names for 1 values").
+		c.printf("headers:    %d names, %d values: DAMAGED, the stored header name and value arrays differ in length "+
+			"(the runtime writes them in pairs: the row was edited); paired by position below, which may be misaligned, "+
+			"then the unpaired rest; replay refuses this dead letter\n",
+			len(d.Headers)+len(d.UnpairedHeaderKeys), len(d.Headers)+len(d.UnpairedHeaderValues))
+	}
 	for _, h := range d.Headers {
 		c.printf("  %s: %s\n", field([]byte(h.Key)), field(h.Value))
+	}
+	for _, k := range d.UnpairedHeaderKeys {
+		c.printf("  name without a value: %s\n", field([]byte(k)))
+	}
+	for _, v := range d.UnpairedHeaderValues {
+		c.printf("  value without a name: %s\n", field(v))
 	}
 }
 
@@ -863,6 +878,11 @@ func (c *cli) deadLettersReplay(args []string) error {
 			c.printf("dry run: dead letter %d was replayed already (%s); nothing to replay\n", d.ID, d.ReplayedAt.UTC().Format(time.RFC3339))
 			return nil
 		}
+		if d.HeadersDamaged() {
+			c.printf("dry run: would refuse to replay dead letter %d: %v (deadletters show --id %d shows them); discard it or repair the row\n",
+				d.ID, admin.ErrUnpairedHeaders, d.ID)
+			return nil
+		}
 		if err := c.forgotten(a, d); err != nil {
 			if !*force {
 				c.printf("dry run: would refuse to replay dead letter %d without --force:\n  %v\n", d.ID, err)
@@ -925,6 +945,9 @@ func (c *cli) deadLettersReplay(args []string) error {
 		"mark did commit; if not, once the consumers have applied the record, `idemctl deadletters discard --id %[1]d --yes` "+
 		"takes the dead letter off the list\n", *id)
 	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
+	if errors.Is(err, admin.ErrUnpairedHeaders) {
+		return errRefused{fmt.Errorf("%w (deadletters show --id %d shows them); discard it or repair the row", err, *id)}
+	}
 	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() && !errors.Is(err, admin.ErrProducedNotMarked) {
 		if derr := dialErr.get(); derr != nil {
 			return fmt.Errorf("no ack from KAFKA_BROKERS within --timeout %v (last connection error: %v); dead letter %d stays unreplayed: %w", *timeout, derr, *id, err)

@@ -373,10 +373,18 @@ type DeadLetter struct {
 	Key, Value []byte
 	ValueLen   int64
 	// Headers in delivery order, repeated names kept.
-	Headers   []Header
-	Attempts  int32
-	LastError string
-	CreatedAt time.Time
+	Headers []Header
+	// UnpairedHeaderKeys and UnpairedHeaderValues are set only for a row
+	// whose stored header names and values (two arrays the runtime always
+	// writes in pairs) differ in length: a row edited by hand. Headers then
+	// holds the pairs both arrays have, matched by position (which may be
+	// misaligned), and these the rest of the longer array. ReplayDeadLetter
+	// refuses such a dead letter (ErrUnpairedHeaders).
+	UnpairedHeaderKeys   []string
+	UnpairedHeaderValues [][]byte
+	Attempts             int32
+	LastError            string
+	CreatedAt            time.Time
 	// ReplayedAt is when it was replayed (re-produced and acked, or applied
 	// in place by idem.Processor.ReplayDeadLetter); zero while it is still a
 	// dead letter.
@@ -437,22 +445,40 @@ func (a *Admin) CountDeadLetters(ctx context.Context, f DeadLetterFilter) (int64
 	return n, nil
 }
 
-// DeadLetter returns dead letter id in full, or ErrNotFound.
+// DeadLetter returns dead letter id in full, or ErrNotFound. A row whose
+// header arrays differ in length is returned all the same, with what can
+// be paired in Headers and the rest in UnpairedHeaderKeys or
+// UnpairedHeaderValues: an operator must be able to see (and discard) it.
+// (idem.Store.DeadLetter, which feeds an in-place replay, refuses it.)
 func (a *Admin) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
-	d, err := a.store.DeadLetter(ctx, id)
-	if errors.Is(err, idem.ErrDeadLetterNotFound) {
+	r, err := a.q.GetDeadLetter(ctx, id)
+	if errors.Is(err, pgx.ErrNoRows) {
 		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, ErrNotFound)
 	}
 	if err != nil {
-		return DeadLetter{}, err
+		return DeadLetter{}, fmt.Errorf("read dead letter %d: %w", id, err)
 	}
-	out := DeadLetter{ID: d.ID, Context: d.Context, Topic: d.Record.Topic, Partition: d.Record.Partition,
-		Offset: d.Record.Offset, Key: d.Record.Key, Value: d.Record.Value, ValueLen: int64(len(d.Record.Value)),
-		Attempts: int32(d.Attempts), LastError: d.LastError, CreatedAt: d.CreatedAt, ReplayedAt: d.ReplayedAt}
-	for _, h := range d.Record.Headers {
-		out.Headers = append(out.Headers, Header{Key: h.Key, Value: h.Value})
+	out := DeadLetter{ID: r.ID, Context: r.Context, Topic: r.Topic, Partition: r.Kpartition,
+		Offset: r.Koffset, Key: r.RecordKey, Value: r.Value, ValueLen: int64(len(r.Value)),
+		Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt.Time, ReplayedAt: r.ReplayedAt.Time}
+	n := min(len(r.HeaderKeys), len(r.HeaderValues))
+	for i := range n {
+		out.Headers = append(out.Headers, Header{Key: string(r.HeaderKeys[i]), Value: r.HeaderValues[i]})
+	}
+	for _, k := range r.HeaderKeys[n:] {
+		out.UnpairedHeaderKeys = append(out.UnpairedHeaderKeys, string(k))
+	}
+	out.UnpairedHeaderValues = r.HeaderValues[n:]
+	if len(out.UnpairedHeaderValues) == 0 {
+		out.UnpairedHeaderValues = nil
 	}
 	return out, nil
+}
+
+// HeadersDamaged reports whether d's stored header names and values differ
+// in length (see UnpairedHeaderKeys).
+func (d DeadLetter) HeadersDamaged() bool {
+	return len(d.UnpairedHeaderKeys) > 0 || len(d.UnpairedHeaderValues) > 0
 }
 
 // ProcessedEventsKeptSince returns when the oldest processed-event row
@@ -477,6 +503,12 @@ func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
 	}
 	return n > 0, nil
 }
+
+// ErrUnpairedHeaders: the dead letter's stored header names and values
+// differ in length (the row was edited by hand), so which value belongs to
+// which header, the event id's included, is unknown; ReplayDeadLetter
+// refuses to produce a guess. Discard it, or repair the row.
+var ErrUnpairedHeaders = errors.New("its stored header names and values differ in length")
 
 // ErrProducedNotMarked: ReplayDeadLetter produced the record (the broker
 // acknowledged it) but could not mark the dead letter replayed. The dead
@@ -517,6 +549,9 @@ type Producer func(ctx context.Context, d DeadLetter) error
 // ErrProducedNotMarked (and the commit's error): the caller must tell the
 // operator that the record went out.
 //
+// A dead letter whose header arrays differ in length is refused with
+// ErrUnpairedHeaders before anything is produced.
+//
 // It holds one pooled connection at a time: the dead letter is read before
 // the transaction begins (the row's bytes never change, so it is the same
 // read; a dead letter discarded or replayed in between fails the mark). Read
@@ -529,6 +564,10 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 	}
 	if err != nil {
 		return false, fmt.Errorf("replay: %w", err)
+	}
+	if d.HeadersDamaged() && d.ReplayedAt.IsZero() {
+		return false, fmt.Errorf("replay dead letter %d: %w (%d names, %d values); nothing produced",
+			id, ErrUnpairedHeaders, len(d.Headers)+len(d.UnpairedHeaderKeys), len(d.Headers)+len(d.UnpairedHeaderValues))
 	}
 	tx, err := a.pool.Begin(ctx)
 	if err != nil {

@@ -122,3 +122,45 @@ VALUES ('billing', 'orders', 0, 7, 'k', '{"n":1}', ARRAY['idem-event-id'::bytea]
 		t.Errorf("the two replayed copies: %v, handler ran %d times; want applied, duplicate, once", outcomes, applied.Load())
 	}
 }
+
+// TestDeadLetterUnpairedHeaders: a row whose header name and value arrays
+// differ in length (edited by hand: the runtime writes them in pairs) is
+// shown with what can be paired and the rest, not refused: DeadLetter
+// failed with "2 header names for 1 values", and idemctl could neither
+// show nor dry-run discard it. Its replay is refused before anything is
+// produced.
+func TestDeadLetterUnpairedHeaders(t *testing.T) {
+	pool := migrated(t, nil)
+	pgtest.Exec(t, pool, `INSERT INTO idem_dead_letters (context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+VALUES ('billing', 'orders', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea, 'trace'::bytea], ARRAY['ev-7'::bytea], 5, 'boom'),
+       ('billing', 'orders', 0, 8, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-8'::bytea, 'x'::bytea, NULL], 5, 'boom')`)
+	a := admin.New(pool)
+	ctx := context.Background()
+	first := pgtest.Count(t, pool, `SELECT min(id) FROM idem_dead_letters`)
+
+	d, err := a.DeadLetter(ctx, first)
+	if err != nil {
+		t.Fatalf("a dead letter with more header names than values: %v", err)
+	}
+	if !d.HeadersDamaged() || len(d.Headers) != 1 || d.Headers[0].Key != "idem-event-id" || string(d.Headers[0].Value) != "ev-7" ||
+		len(d.UnpairedHeaderKeys) != 1 || d.UnpairedHeaderKeys[0] != "trace" || d.UnpairedHeaderValues != nil {
+		t.Errorf("more names than values: headers %q, unpaired names %q, values %q", d.Headers, d.UnpairedHeaderKeys, d.UnpairedHeaderValues)
+	}
+	d, err = a.DeadLetter(ctx, first+1)
+	if err != nil {
+		t.Fatalf("a dead letter with more header values than names: %v", err)
+	}
+	if !d.HeadersDamaged() || len(d.Headers) != 1 || len(d.UnpairedHeaderKeys) != 0 ||
+		len(d.UnpairedHeaderValues) != 2 || string(d.UnpairedHeaderValues[0]) != "x" || d.UnpairedHeaderValues[1] != nil {
+		t.Errorf("more values than names: headers %q, unpaired names %q, values %q", d.Headers, d.UnpairedHeaderKeys, d.UnpairedHeaderValues)
+	}
+
+	produced := 0
+	ok, err := a.ReplayDeadLetter(ctx, first, func(context.Context, admin.DeadLetter) error { produced++; return nil })
+	if ok || !errors.Is(err, admin.ErrUnpairedHeaders) || produced != 0 {
+		t.Errorf("replaying it: %v, %v, %d produces; want ErrUnpairedHeaders and nothing produced", ok, err, produced)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem_dead_letters WHERE replayed_at IS NULL`); n != 2 {
+		t.Errorf("%d unreplayed, want 2", n)
+	}
+}
