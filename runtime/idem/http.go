@@ -1094,8 +1094,8 @@ func (h *HTTP) functionCulprit(ctx context.Context, err error) error {
 	if ctx.Err() != nil {
 		return s.err
 	}
-	// Not as s.err, whose chain holds the function's context error: that
-	// reads as the request's cancellation (problemFor).
+	// A storage failure saying why: the database does not answer, and its
+	// silence fired the function's context (named here).
 	return fmt.Errorf("%w: the function's transaction: its connection closed, and the database does not answer: %s", errStorage, s.ownCtx)
 }
 
@@ -1257,13 +1257,31 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 		h.failures.log(r.Context(), slog.LevelWarn, "database busy", ep.Scope, err)
 		return &Error{Status: http.StatusServiceUnavailable, Title: "Database busy", RetryAfter: time.Second, Err: err,
 			Detail: "the database was busy (no connection or a lock within the wait); nothing was done, retry later"}
-	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
-		// The client is gone or the server is shutting down; the transaction
-		// rolled back, so a retry is safe.
+	case isCtxErr(err) && r.Context().Err() != nil:
+		// The request's context ended: the client is gone, or the server is
+		// shutting down (ServeHTTP cancels the requests left at the drain
+		// deadline through BaseContext; http.Server.Close's closed
+		// connections cancel theirs). The transaction rolled back, so a
+		// retry is safe. Only then: a context error under a live request
+		// is a deadline or cancel of the runtime's or the function's own,
+		// and the client is still waiting for the truth (below).
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "request cancelled; nothing was done", Err: err}
 	case errors.Is(err, errStorage):
+		// Also when its cause is a deadline that is not the request's: the
+		// database did not answer.
 		h.failures.log(r.Context(), slog.LevelError, "idempotency storage failed", ep.Scope, err)
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "storage unavailable; nothing was done, retry later", Err: err, RetryAfter: time.Second}
+	case isCtxErr(err):
+		// The request alive, the runtime's own context errors classified
+		// above: a context of the function's own (its deadline on a call
+		// to a third party, a cancel of its own) ended its work, and it
+		// returned that error. Its failure, as any other error it returns
+		// (the consumer charges it to the record likewise); the function
+		// that wants another status (a 504 for an upstream's timeout)
+		// returns an *Error.
+		h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "err", err)
+		return &Error{Status: http.StatusInternalServerError, Title: "Function's own context ended", Err: err,
+			Detail: "a context of the function's own (a deadline or cancellation it set, not the request's) ended its work; the transaction rolled back and nothing was done"}
 	default:
 		h.logger.ErrorContext(r.Context(), "idempotent handler failed", "scope", ep.Scope, "err", err)
 		return &Error{Status: http.StatusInternalServerError, Err: err}
