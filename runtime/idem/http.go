@@ -742,14 +742,20 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 	for {
 		actx, cancel := context.WithDeadline(ctx, deadline)
 		conn, err := h.store.pool.Acquire(actx)
+		waited := actx.Err() != nil // the wait ran out (ctx's own end is seen below)
 		cancel()
 		if err != nil {
 			if ctxErr := ctx.Err(); ctxErr != nil {
 				return nil, nil, claimResult{}, ctxErr
 			}
-			if errors.Is(err, context.DeadlineExceeded) {
+			if waited && errors.Is(err, context.DeadlineExceeded) {
 				return nil, nil, claimResult{}, fmt.Errorf("%w: no database connection free within the wait: %w", errBusy, err)
 			}
+			// Any other failure is the database's, a deadline that ended
+			// within the wait included: the pool's connect timeout
+			// (pgconn's ConnectTimeout) on a database that does not
+			// answer, a deadline of a pool hook's own. Not the wait, nor
+			// the request's end.
 			return nil, nil, claimResult{}, storageErr(ctx, "acquire connection", err)
 		}
 		check := h.connCheckMS.Load()
@@ -1267,8 +1273,8 @@ func (h *HTTP) problemFor(r *http.Request, ep Endpoint, err error) *Error {
 		// and the client is still waiting for the truth (below).
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "request cancelled; nothing was done", Err: err}
 	case errors.Is(err, errStorage):
-		// Also when its cause is a deadline that is not the request's: the
-		// database did not answer.
+		// Also when its cause is a deadline that is not the request's (the
+		// pool's connect timeout): the database did not answer.
 		h.failures.log(r.Context(), slog.LevelError, "idempotency storage failed", ep.Scope, err)
 		return &Error{Status: http.StatusServiceUnavailable, Detail: "storage unavailable; nothing was done, retry later", Err: err, RetryAfter: time.Second}
 	case isCtxErr(err):

@@ -12,7 +12,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemgen/idemgen/internal/faultproxy"
+	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
 
@@ -149,5 +152,45 @@ func TestFunctionCallCancelledWithRequestIs503(t *testing.T) {
 	}
 	if e.effects() != 0 || e.keys() != 0 {
 		t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
+	}
+}
+
+// A storage failure whose cause is a deadline that is not the request's:
+// the pool's connect timeout (pgconn's ConnectTimeout, connect_timeout in
+// the URL) fires on a database that accepts the TCP connection and never
+// answers, well within the endpoint's wait, the client still there. It was
+// answered 503 "Database busy ... no connection or a lock within the wait"
+// (there was no wait), and, once that was told apart, "request cancelled"
+// without Retry-After or a log line. It is the storage failure it is: 503
+// storage unavailable, logged, with Retry-After; the function never ran,
+// and once the database answers the same key runs it.
+func TestConnectTimeoutIsStorageUnavailable(t *testing.T) {
+	url := pgtest.Schema(t)
+	px := faultproxy.New(t, faultproxy.PostgresTarget(url))
+	proxied := pgtest.PoolURL(t, px.RewriteURL(url), func(c *pgxpool.Config) { c.ConnConfig.ConnectTimeout = time.Second })
+	e := newEnvPool(t, proxied)
+	logs := &lockedBuffer{}
+	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	h := e.handler(idem.Endpoint{Wait: 10 * time.Second})
+	proxied.Reset() // the request dials a new connection, into the partition
+	px.Blackhole()
+	r := do(h, "k-connect", body1)
+	px.Restore()
+	wantProblem(t, r, http.StatusServiceUnavailable)
+	if d := problemDetail(t, r); !strings.Contains(d, "storage unavailable") || r.header.Get("Retry-After") == "" {
+		t.Fatalf("%d %s (Retry-After %q); want a 503 storage unavailable with Retry-After", r.status, r.body, r.header.Get("Retry-After"))
+	}
+	if l := logs.String(); !strings.Contains(l, "idempotency storage failed") {
+		t.Fatalf("log:\n%s\nwant the storage failure logged", l)
+	}
+	if e.calls.Load() != 0 {
+		t.Fatalf("the function ran %d times during the partition, want 0", e.calls.Load())
+	}
+	r = do(h, "k-connect", body1)
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
+		t.Fatalf("after the partition: %d %s, want 201 from a run", r.status, r.body)
+	}
+	if e.calls.Load() != 1 || e.effects() != 1 {
+		t.Fatalf("%d calls, %d effects, want 1, 1", e.calls.Load(), e.effects())
 	}
 }
