@@ -50,6 +50,9 @@ type Proxy struct {
 	mode    atomic.Int32
 	latency atomic.Int64
 	precise atomic.Bool // latency is held with holdFor, not a timer (PreciseLatency)
+	// replies is nil while the target's bytes flow to clients; under
+	// HoldReplies, a channel ReleaseReplies closes.
+	replies atomic.Pointer[chan struct{}]
 
 	mu     sync.Mutex
 	conns  map[*conn]struct{}
@@ -150,6 +153,23 @@ func (p *Proxy) Latency(d time.Duration) { p.precise.Store(false); p.latency.Sto
 // (nanosleep, on Linux; about d + 0.1 ms, measured), which a Close or Cut
 // does not interrupt. Elsewhere it is Latency.
 func (p *Proxy) PreciseLatency(d time.Duration) { p.precise.Store(true); p.latency.Store(int64(d)) }
+
+// HoldReplies holds every byte the target sends, on every connection, until
+// ReleaseReplies delivers them: a reply that left the server and has not
+// reached the client yet, for as long as the test needs. Bytes from clients
+// still reach the target (a client's cancel request, on a new connection,
+// included). A connection closed meanwhile drops what was held for it.
+func (p *Proxy) HoldReplies() {
+	ch := make(chan struct{})
+	p.replies.CompareAndSwap(nil, &ch)
+}
+
+// ReleaseReplies delivers what HoldReplies held and lets replies flow again.
+func (p *Proxy) ReleaseReplies() {
+	if ch := p.replies.Swap(nil); ch != nil {
+		close(*ch)
+	}
+}
 
 // Restore returns to normal forwarding without latency. Leaving a blackhole
 // cuts the connections that were open during it (see Blackhole).
@@ -312,16 +332,17 @@ func (p *Proxy) serve(c *conn, held bool) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		p.pipe(c, c.client, s)
+		p.pipe(c, c.client, s, true)
 	}()
-	p.pipe(c, s, c.client)
+	p.pipe(c, s, c.client, false)
 	<-done
 }
 
 // pipe copies src to dst chunk by chunk, applying latency and blackhole to
-// each chunk, and closes the whole connection when either side fails: the
-// protocols proxied here do not use half-closed connections.
-func (p *Proxy) pipe(c *conn, dst, src net.Conn) {
+// each chunk (and HoldReplies to the target's, reply set), and closes the
+// whole connection when either side fails: the protocols proxied here do
+// not use half-closed connections.
+func (p *Proxy) pipe(c *conn, dst, src net.Conn, reply bool) {
 	defer c.close(false) // one side ended: pass that on cleanly
 	buf := make([]byte, 32<<10)
 	for {
@@ -335,6 +356,13 @@ func (p *Proxy) pipe(c *conn, dst, src net.Conn) {
 				case <-t.C:
 				case <-c.ctx.Done():
 					t.Stop()
+					return
+				}
+			}
+			if held := p.replies.Load(); reply && held != nil {
+				select {
+				case <-*held:
+				case <-c.ctx.Done():
 					return
 				}
 			}

@@ -203,6 +203,23 @@ func TestLatency(t *testing.T) {
 
 // PreciseLatency holds each chunk for its delay (each way), and Latency
 // after it is a timer's again (Close interrupts it: TestClose).
+// TestHoldReplies: what the target sends under HoldReplies arrives after
+// ReleaseReplies, not before and not never (a blackhole drops it).
+func TestHoldReplies(t *testing.T) {
+	target, _ := echoServer(t)
+	p := faultproxy.New(t, target)
+	c := dial(t, p.Addr())
+	mustEcho(t, c)
+	p.HoldReplies()
+	mustSilent(t, c) // sent "ping"; its echo is held
+	p.ReleaseReplies()
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	if got, err := c.r.ReadString('\n'); err != nil || got != "ping\n" {
+		t.Fatalf("after ReleaseReplies: got %q, %v; want the held ping", got, err)
+	}
+	mustEcho(t, c)
+}
+
 func TestPreciseLatency(t *testing.T) {
 	target, _ := echoServer(t)
 	p := faultproxy.New(t, target)
