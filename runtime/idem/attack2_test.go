@@ -6,6 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -113,6 +116,40 @@ func a2Purge(t *testing.T, pool *pgxpool.Pool) (pid int32, end func(commit bool)
 	return pid, end
 }
 
+// a2Stop freezes backend pid with SIGSTOP (SIGCONT resumes it; so does
+// the test's end). It fails the test, rather than skipping it, when the
+// backend cannot be stopped: the tests that freeze a backend need
+// PostgreSQL on this machine and a user allowed to signal its processes
+// (root, or the server's own user), as the local server of the default
+// DATABASE_URL is to root here. Before signalling, it checks that pid is
+// a child of the postmaster of the server pool talks to: with a
+// DATABASE_URL naming another machine (or a container), the same number
+// may be an unrelated local process, which SIGSTOP would freeze.
+func a2Stop(t *testing.T, pool *pgxpool.Pool, pid int32) {
+	t.Helper()
+	const need = "freezing a backend needs PostgreSQL on this machine and a user allowed to signal its processes (root or the server's user)"
+	var dataDir string
+	if err := pool.QueryRow(context.Background(), `SELECT current_setting('data_directory')`).Scan(&dataDir); err != nil {
+		t.Fatalf("%s: read data_directory: %v", need, err)
+	}
+	pidFile, err := os.ReadFile(filepath.Join(dataDir, "postmaster.pid"))
+	if err != nil {
+		t.Fatalf("%s: the server's postmaster.pid: %v", need, err)
+	}
+	postmaster, _, _ := strings.Cut(string(pidFile), "\n")
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatalf("%s: backend %d: %v", need, pid, err)
+	}
+	if !regexp.MustCompile(`(?m)^PPid:\s+` + regexp.QuoteMeta(strings.TrimSpace(postmaster)) + `$`).Match(status) {
+		t.Fatalf("%s: process %d here is not a backend of the server at %s (postmaster %s)", need, pid, dataDir, postmaster)
+	}
+	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
+		t.Fatalf("%s: stop backend %d: %v", need, pid, err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(int(pid), syscall.SIGCONT) })
+}
+
 func a2Expire(t *testing.T, pool *pgxpool.Pool) {
 	pgtest.Exec(t, pool, `UPDATE idem_keys SET expires_at = now() - interval '1 second'`)
 }
@@ -131,9 +168,7 @@ func TestAttack2FrozenPurgeHoldingTheExpiredRow(t *testing.T) {
 	}
 	a2Expire(t, pool)
 	pid, end := a2Purge(t, pool)
-	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
-		t.Skipf("cannot stop the purge's backend %d: %v", pid, err)
-	}
+	a2Stop(t, pool, pid)
 	for i := range 3 {
 		start := time.Now()
 		r := do(h, "k", body1)
@@ -178,10 +213,7 @@ func TestAttack2TakeoverBackendFrozen(t *testing.T) {
 	start := time.Now()
 	go func() { done <- do(h, "k", body1) }()
 	pid := a2Waiting(t, admin, app)
-	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
-		t.Skipf("cannot stop backend %d: %v", pid, err)
-	}
-	t.Cleanup(func() { _ = syscall.Kill(int(pid), syscall.SIGCONT) })
+	a2Stop(t, admin, pid)
 	var r result
 	select {
 	case r = <-done:
