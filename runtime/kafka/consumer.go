@@ -317,7 +317,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 			// ctx ended during the wait. The next poll returns at once
 			// (its context is done), and the exit at the top of the loop
 			// stops the workers before AllowRebalance: stopping them here,
-			// after it, let a revoke commit before they had stopped.
+			// after it, let a revoke commit before they had stopped
+			// (TestShutdownDuringFetchBackoffStopsWorkersBeforeRebalance).
 			continue
 		}
 	}
@@ -501,7 +502,11 @@ func (w *worker) abandon() {
 
 // mark marks rec's offset for commit unless the worker was abandoned.
 // Holding w.mu, so that abandon, once it returns, is never followed by a
-// mark.
+// mark. kgo ignores a mark for a partition it no longer consumes and never
+// moves one back, and a worker marks only committed records, so the mark
+// that hurts is into the partition consumed again after its topic was
+// deleted and re-created: an offset of the old topic, past records of the
+// new one (TestAbandonedWorkerMarksNothingIntoRecreatedTopic).
 func (w *worker) mark(rec *kgo.Record) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -751,7 +756,7 @@ func (r *run) backOffFetchErrors(ctx context.Context, failing, gotRecords bool) 
 		return nil
 	}
 	r.fetchFailures++
-	wait := fetchBackoff(r.fetchFailures)
+	wait := max(fetchBackoff(r.fetchFailures), time.Duration(fetchBackoffFloor.Load()))
 	if r.fetchFailures%10 == 0 {
 		r.logger.Warn("fetches still failing; waiting between polls", "group", r.cfg.Group,
 			"failed_polls", r.fetchFailures, "wait", wait)
@@ -765,6 +770,11 @@ func (r *run) backOffFetchErrors(ctx context.Context, failing, gotRecords bool) 
 		return ctx.Err()
 	}
 }
+
+// fetchBackoffFloor is the least wait of backOffFetchErrors, in
+// nanoseconds: zero, but in a test that holds the poll loop in the backoff
+// to stop the consumer there.
+var fetchBackoffFloor atomic.Int64
 
 // fetchBackoff is the wait after n failed polls in a row: 50ms doubling to
 // 2s, between half and all of it.

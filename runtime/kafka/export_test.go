@@ -32,3 +32,19 @@ func SetStuckWarnAfter(d time.Duration) (restore func()) {
 // StopWait is how long a revoke, a loss or a shutdown waits for a cancelled
 // partition worker before abandoning it.
 func StopWait() time.Duration { return time.Duration(stopWait.Load()) }
+
+// SetStopWait sets how long a revoke, a loss or a shutdown waits for a
+// cancelled partition worker, for the stops after it; restore sets it back.
+// Only for tests that do not run in parallel: the others read StopWait.
+func SetStopWait(d time.Duration) (restore func()) {
+	old := stopWait.Swap(int64(d))
+	return func() { stopWait.Store(old) }
+}
+
+// SetFetchBackoffFloor makes the poll loop wait at least d after a poll
+// whose fetches failed and returned nothing, for the waits after it;
+// restore sets it back. Only for tests that do not run in parallel.
+func SetFetchBackoffFloor(d time.Duration) (restore func()) {
+	old := fetchBackoffFloor.Swap(int64(d))
+	return func() { fetchBackoffFloor.Store(old) }
+}
