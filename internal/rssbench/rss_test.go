@@ -2,7 +2,6 @@ package rssbench
 
 import (
 	"bufio"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -29,6 +28,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/benchkit"
+	"github.com/idemgen/idemgen/internal/benchkit/bareconsumer"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
@@ -45,7 +45,7 @@ const (
 	stepTimeout  = 20 * time.Minute
 )
 
-// BenchmarkPeakRSS measures the peak resident set (VmHWM) of three child
+// BenchmarkPeakRSS measures the peak resident set (VmHWM) of the child
 // processes, each handling a burst against real PostgreSQL (its own schema)
 // and an in-process Kafka (kfake, in this parent process), next to a
 // baseline:
@@ -54,10 +54,16 @@ const (
 //     idem.ServeHTTP answering n POSTs with distinct keys from 64 concurrent
 //     clients over loopback; baseline: the same child serving the bare
 //     handler (the same INSERT in its own transaction) to the same burst.
-//   - consumer: kafka.Consumer (defaults: one transaction per record, 500
-//     records per poll) consuming n records already in an 8-partition topic;
-//     baseline: a bare kgo poll loop in the same child doing the same INSERT
-//     per record with the same commit behaviour.
+//   - consumer: kafka.Consumer (defaults: one transaction per record, a
+//     partition paused at 500 records queued) consuming n records already
+//     in an 8-partition topic; two baselines, each a child of its own doing
+//     the same INSERT per record with the same commit behaviour: bare, a
+//     plain kgo loop with the consumer's structure (bareconsumer.Run: a
+//     worker goroutine per partition across polls, the same pause rule),
+//     and bare per-poll, the structure the consumer had before 2026-12-01
+//     (bareconsumer.RunPerPoll: a goroutine per partition for each poll of
+//     500, all waited for). After each side the parent checks that every
+//     record has one effect row per side so far.
 //   - relay: idem.Relay (defaults) publishing an outbox backlog of n rows;
 //     baseline: the same process's RSS right after setup (pool, producer and
 //     relay built and connected), before it starts.
@@ -84,9 +90,12 @@ var (
 	shortBursts = bursts{10_000, 3_000, 10_000}
 )
 
-// measure runs the three shapes and returns their rows.
+// measure runs the three shapes and returns their rows (two for the
+// consumer: against each bare loop).
 func measure(tb testing.TB, n bursts) []benchkit.Row {
-	return []benchkit.Row{httpRSS(tb, n.requests), consumerRSS(tb, n.records), relayRSS(tb, n.backlog)}
+	rows := []benchkit.Row{httpRSS(tb, n.requests)}
+	rows = append(rows, consumerRSS(tb, n.records)...)
+	return append(rows, relayRSS(tb, n.backlog))
 }
 
 // count is n as the rows' names say it: 300, 3k, 100k.
@@ -189,7 +198,7 @@ func httpBurst(tb testing.TB, addr, tag string, n int) {
 	}
 }
 
-func consumerRSS(tb testing.TB, n int) benchkit.Row {
+func consumerRSS(tb testing.TB, n int) []benchkit.Row {
 	dbURL, pool := schema(tb)
 	pgtest.Exec(tb, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, event_id text NOT NULL, amount bigint NOT NULL)`)
 	addrs := cluster(tb, partitions, "orders")
@@ -223,18 +232,36 @@ func consumerRSS(tb testing.TB, n int) benchkit.Row {
 		u.end = c.memory(tb)
 		return u
 	}
-	bare := run("consumer-bare")
-	if got := pgtest.Count(tb, pool, `SELECT count(*) FROM effects`); got != int64(n) {
-		tb.Fatalf("bare consumer: %d effects, want %d", got, n)
+	// Each side applies every record once: after the k-th side, every
+	// event id has k effect rows. None of the bare loops has a dedupe that
+	// would hide a double or a missed record.
+	sides := 0
+	appliedOnce := func(side string) {
+		tb.Helper()
+		sides++
+		if got := pgtest.Count(tb, pool, `SELECT count(*) FROM (SELECT event_id FROM effects GROUP BY event_id HAVING count(*) = $1) x`, sides); got != int64(n) {
+			tb.Fatalf("%s: %d of %d records have one effect row per side (%d sides)", side, got, n, sides)
+		}
 	}
+	bare := run("consumer-bare")
+	appliedOnce("bare consumer")
+	perPoll := run("consumer-bare-per-poll")
+	appliedOnce("bare per-poll consumer")
 	idm := run("consumer-idem")
+	appliedOnce("kafka.Consumer")
 	if got := pgtest.Count(tb, pool, `SELECT count(*) FROM idem_processed_events`); got != int64(n) {
 		tb.Fatalf("consumer: %d processed events, want %d", got, n)
 	}
-	return benchkit.Row{Section: section, Name: "consumer, " + count(n) + " records, idempotent/bare", Unit: "ratio",
-		Value: float64(idm.end.Peak) / float64(bare.end.Peak),
-		Detail: fmt.Sprintf("kafka.Consumer %s, bare kgo loop %s (after setup %s, %s); %d records, %d partitions, %s, %s",
-			mib(idm.end.Peak), mib(bare.end.Peak), mib(idm.ready.RSS), mib(bare.ready.RSS), n, partitions, rate(n, idm.took), rate(n, bare.took))}
+	return []benchkit.Row{
+		{Section: section, Name: "consumer, " + count(n) + " records, idempotent/bare", Unit: "ratio",
+			Value: float64(idm.end.Peak) / float64(bare.end.Peak),
+			Detail: fmt.Sprintf("bare: per-partition workers across polls, as the consumer; kafka.Consumer %s, bare %s (after setup %s, %s); %d records, %d partitions, %s, %s",
+				mib(idm.end.Peak), mib(bare.end.Peak), mib(idm.ready.RSS), mib(bare.ready.RSS), n, partitions, rate(n, idm.took), rate(n, bare.took))},
+		{Section: section, Name: "consumer, " + count(n) + " records, idempotent/bare per-poll", Unit: "ratio",
+			Value: float64(idm.end.Peak) / float64(perPoll.end.Peak),
+			Detail: fmt.Sprintf("bare per-poll: a goroutine per partition for each poll of 500 (the consumer's structure before 2026-12-01); bare per-poll %s (after setup %s), %s",
+				mib(perPoll.end.Peak), mib(perPoll.ready.RSS), rate(n, perPoll.took))},
+	}
 }
 
 func relayRSS(tb testing.TB, n int) benchkit.Row {
@@ -441,7 +468,9 @@ func runChild(ctx context.Context, mode string) error {
 	case "http-bare", "http-idem":
 		return serveChild(ctx, pool, mode == "http-idem")
 	case "consumer-bare":
-		return bareConsumerChild(ctx, pool, brokers, n)
+		return bareConsumerChild(ctx, pool, brokers, n, bareconsumer.Run)
+	case "consumer-bare-per-poll":
+		return bareConsumerChild(ctx, pool, brokers, n, bareconsumer.RunPerPoll)
 	case "consumer-idem":
 		return consumerChild(ctx, pool, brokers, n)
 	case "relay":
@@ -571,59 +600,31 @@ func consumerChild(ctx context.Context, pool *pgxpool.Pool, brokers []string, n 
 	return c.Run(ctx)
 }
 
-// bareConsumerChild is the baseline: a kgo poll loop (500 records per
-// poll, kafka.Consumer's default), a goroutine per partition of a poll, per
-// record the same INSERT in its own transaction, then the record marked;
-// marks committed every second, rebalances blocked during a poll — the
-// consumer's commit behaviour without its dedupe.
-func bareConsumerChild(ctx context.Context, pool *pgxpool.Pool, brokers []string, n int) error {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumerGroup("rss-bare"), kgo.ConsumeTopics("orders"),
-		kgo.AutoCommitMarks(), kgo.AutoCommitInterval(time.Second), kgo.BlockRebalanceOnPoll(),
-		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
-	if err != nil {
-		return err
-	}
-	defer cl.Close()
+// bareConsumerChild is a baseline: run (bareconsumer.Run, the consumer's
+// structure, or RunPerPoll, its structure before 2026-12-01) in a group of
+// its own from the topic's start, MaxPollRecords 500 (kafka.Consumer's
+// default), per record json.Unmarshal and the same INSERT in its own
+// transaction, then the record marked: the consumer's commit behaviour
+// without its dedupe. Like consumerChild it prints "done" when n records
+// are applied and runs until SIGTERM.
+func bareConsumerChild(ctx context.Context, pool *pgxpool.Pool, brokers []string, n int, run func(context.Context, bareconsumer.Config) error) error {
 	if err := readyThenGo(ctx); err != nil {
 		return err
 	}
 	cnt := &counter{n: int64(n)}
-	for {
-		fetches := cl.PollRecords(ctx, 500)
-		if ctx.Err() != nil {
-			cl.AllowRebalance() // or Close, leaving the group, waits for it
-			return nil          // SIGTERM: the parent is done measuring
-		}
-		var wg sync.WaitGroup
-		var mu sync.Mutex
-		var firstErr error
-		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for _, r := range p.Records {
-					var ev order
-					err := json.Unmarshal(r.Value, &ev)
-					if err == nil {
-						err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) })
-					}
-					if err != nil {
-						mu.Lock()
-						firstErr = cmp.Or(firstErr, err)
-						mu.Unlock()
-						return
-					}
-					cl.MarkCommitRecords(r)
-					cnt.add()
-				}
-			}()
-		})
-		wg.Wait()
-		cl.AllowRebalance()
-		if firstErr != nil && ctx.Err() == nil {
-			return firstErr
-		}
-	}
+	return run(ctx, bareconsumer.Config{Brokers: brokers, Group: "rss-" + os.Getenv(childEnv), Topic: "orders", MaxPollRecords: 500,
+		Opts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())},
+		Apply: func(ctx context.Context, r *kgo.Record) error {
+			var ev order
+			if err := json.Unmarshal(r.Value, &ev); err != nil {
+				return err
+			}
+			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) }); err != nil {
+				return err
+			}
+			cnt.add()
+			return nil
+		}})
 }
 
 // relayChild builds a relay (defaults) on a connected pool and producer,
@@ -655,8 +656,8 @@ func relayChild(ctx context.Context, pool *pgxpool.Pool, brokers []string) error
 // measure) and reports a peak at least as large as its RSS after setup.
 func TestPeakRSSShapes(t *testing.T) {
 	rows := measure(t, bursts{300, 300, 300})
-	if len(rows) != 3 {
-		t.Fatalf("%d rows, want 3", len(rows))
+	if len(rows) != 4 {
+		t.Fatalf("%d rows, want 4", len(rows))
 	}
 	for _, r := range rows {
 		if r.Value < 0.5 || r.Value > 20 || r.Unit != "ratio" || r.Detail == "" {

@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/internal/benchkit"
+	"github.com/idemgen/idemgen/internal/benchkit/bareconsumer"
 	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -29,8 +30,9 @@ import (
 
 // BenchmarkConsumerSideBySide consumes the same records, in each round, with
 //
-//   - bare:       a plain kgo consumer with kafka.Consumer's structure and
-//     commit behaviour, and no dedupe: a worker goroutine per partition,
+//   - bare:       a plain kgo consumer (bareconsumer.Run, shared with
+//     internal/rssbench's peak-RSS benchmark) with kafka.Consumer's
+//     structure and commit behaviour, and no dedupe: a worker goroutine per partition,
 //     living across polls, fed by the poll loop (which hands each poll's
 //     records to the partition's worker without waiting and polls again,
 //     pausing a partition whose worker is still busy or has records queued,
@@ -39,8 +41,8 @@ import (
 //     own transaction, and marks each record after its transaction commits;
 //     marks auto-committed every second, rebalances blocked during a poll's
 //     hand-out, FetchMaxWait 100ms (kafka.Consumer's default);
-//   - bare per-poll: the same per record, in the structure kafka.Consumer had
-//     before 2026-12-01: a goroutine per partition for each poll, all waited
+//   - bare per-poll: the same per record (bareconsumer.RunPerPoll), in the
+//     structure kafka.Consumer had before 2026-12-01: a goroutine per partition for each poll, all waited
 //     for before the next poll (so each poll waits for its slowest
 //     partition), rebalances blocked meanwhile, kgo's default FetchMaxWait;
 //     kept as a second row to show what the structure alone is worth and to
@@ -98,10 +100,10 @@ func BenchmarkConsumerSideBySide(b *testing.B) {
 		cpu   benchkit.CPU
 	}
 	bare := &side{name: "bare", run: func(ctx context.Context, group string, start map[string]map[int32]kgo.Offset) time.Duration {
-		return bareConsume(ctx, b, addrs, pool, group, start, records)
+		return bareConsume(ctx, b, addrs, pool, group, start, records, false)
 	}}
 	barePerPoll := &side{name: "bare-per-poll", run: func(ctx context.Context, group string, start map[string]map[int32]kgo.Offset) time.Duration {
-		return bareConsumePerPoll(ctx, b, addrs, pool, group, start, records)
+		return bareConsume(ctx, b, addrs, pool, group, start, records, true)
 	}}
 	perRecord := &side{name: "per-record", run: func(ctx context.Context, group string, start map[string]map[int32]kgo.Offset) time.Duration {
 		return idemConsume(ctx, b, addrs, pool, group, start, records, 1)
@@ -262,184 +264,53 @@ func idemConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 	return last.Sub(first)
 }
 
-// bareConsume is the baseline with kafka.Consumer's structure and commit
-// behaviour and no dedupe (see BenchmarkConsumerSideBySide): a worker
-// goroutine per partition, living across polls; the poll loop takes all
-// that kgo buffered (PollFetches), hands each poll's records to the
-// partition's worker without waiting, pausing the partition if the worker
-// is still busy or had records queued and now has 1,000 (MaxPollRecords in
-// the consumer's run) or more queued (the worker resumes it when it takes
-// them), and polls again. The worker applies its
-// records in order, each in a transaction of its own, and marks each after
-// its transaction commits. It has no rebalance handling: the benchmark's
-// group has one member, so nothing is revoked. It returns the time from the
-// first record applied to the last.
-func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want int) time.Duration {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.ConsumerGroup(group), kgo.ConsumeTopics("bench"),
-		kgo.AutoCommitMarks(), kgo.AutoCommitInterval(time.Second), kgo.BlockRebalanceOnPoll(),
-		kgo.FetchMaxWait(100*time.Millisecond), // kafka.Consumer's default
-		kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
-		kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
-			return start, nil
-		}))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer cl.Close()
+// bareConsume runs a bare baseline (bareconsumer.Run, or RunPerPoll when
+// perPoll is set: see BenchmarkConsumerSideBySide) in its own group,
+// starting at start, until it has applied want records: per record
+// json.Unmarshal and the same INSERT as the idempotent handler in a
+// transaction of its own. MaxPollRecords is 1,000, as the per-record and
+// batch consumers' here. It returns the time from the first record applied
+// to the last.
+func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want int, perPoll bool) time.Duration {
 	ctx, cancel := context.WithTimeout(parent, 5*time.Minute)
 	defer cancel()
-	// finished ends the poll loop: every record applied, or a worker failed.
-	finished, finish := context.WithCancel(ctx)
-	defer finish()
-	var first, last time.Time
 	var mu sync.Mutex
+	var first, last time.Time
 	done := 0
-	type worker struct {
-		mu     sync.Mutex
-		queued []*kgo.Record
-		busy   bool // applying the records it took
-		paused bool
-		more   chan struct{}
+	cfg := bareconsumer.Config{Brokers: addrs, Group: group, Topic: "bench", MaxPollRecords: 1000,
+		Opts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
+			kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
+				return start, nil
+			})},
+		Apply: func(ctx context.Context, r *kgo.Record) error {
+			var ev order
+			_ = json.Unmarshal(r.Value, &ev)
+			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) }); err != nil {
+				return err
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			now := time.Now()
+			if done == 0 {
+				first = now
+			}
+			last = now
+			if done++; done == want {
+				cancel() // the stop condition: every record applied
+			}
+			return nil
+		}}
+	run := bareconsumer.Run
+	if perPoll {
+		run = bareconsumer.RunPerPoll
 	}
-	var wg sync.WaitGroup
-	defer wg.Wait() // after cancel (deferred later, so run first)
-	defer cancel()
-	// work applies partition p's records as the poll loop queues them.
-	work := func(p int32, w *worker) {
-		defer wg.Done()
-		for {
-			w.mu.Lock()
-			recs := w.queued
-			w.queued, w.busy = nil, len(recs) > 0
-			if len(recs) > 0 && w.paused {
-				w.paused = false
-				cl.ResumeFetchPartitions(map[string][]int32{"bench": {p}})
-			}
-			w.mu.Unlock()
-			if len(recs) == 0 {
-				select {
-				case <-w.more:
-					continue
-				case <-ctx.Done():
-					return
-				}
-			}
-			for _, r := range recs {
-				var ev order
-				_ = json.Unmarshal(r.Value, &ev)
-				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) })
-				if err != nil {
-					if ctx.Err() == nil {
-						b.Error(err)
-					}
-					finish()
-					return
-				}
-				cl.MarkCommitRecords(r)
-				mu.Lock()
-				now := time.Now()
-				if done == 0 {
-					first = now
-				}
-				last = now
-				if done++; done == want {
-					finish()
-				}
-				mu.Unlock()
-			}
-		}
-	}
-	workers := map[int32]*worker{}
-	for finished.Err() == nil {
-		fetches := cl.PollFetches(finished)
-		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-			if len(p.Records) == 0 {
-				return
-			}
-			w := workers[p.Partition]
-			if w == nil {
-				w = &worker{more: make(chan struct{}, 1)}
-				workers[p.Partition] = w
-				wg.Add(1)
-				go work(p.Partition, w)
-			}
-			w.mu.Lock()
-			behind := w.busy || len(w.queued) > 0
-			w.queued = append(w.queued, p.Records...)
-			if behind && len(w.queued) >= 1000 && !w.paused {
-				w.paused = true
-				cl.PauseFetchPartitions(map[string][]int32{"bench": {p.Partition}})
-			}
-			w.mu.Unlock()
-			select {
-			case w.more <- struct{}{}:
-			default:
-			}
-		})
-		cl.AllowRebalance()
+	if err := run(ctx, cfg); err != nil {
+		b.Errorf("%s: %v", group, err)
 	}
 	mu.Lock()
 	defer mu.Unlock()
 	if done < want {
-		b.Fatalf("bare: %d of %d records", done, want)
-	}
-	return last.Sub(first)
-}
-
-// bareConsumePerPoll is the second baseline: bareConsume's work per record
-// and commit behaviour in the structure kafka.Consumer had before
-// 2026-12-01, a goroutine per partition for each poll, all waited for
-// before the next poll (each poll waits for its slowest partition), with
-// kgo's default FetchMaxWait. It returns the time from the first record
-// applied to the last.
-func bareConsumePerPoll(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want int) time.Duration {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.ConsumerGroup(group), kgo.ConsumeTopics("bench"),
-		kgo.AutoCommitMarks(), kgo.AutoCommitInterval(time.Second), kgo.BlockRebalanceOnPoll(),
-		kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
-		kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
-			return start, nil
-		}))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer cl.Close()
-	ctx, cancel := context.WithTimeout(parent, 5*time.Minute)
-	defer cancel()
-	var first, last time.Time
-	var mu sync.Mutex
-	done := 0
-	for done < want {
-		fetches := cl.PollRecords(ctx, 1000)
-		if ctx.Err() != nil {
-			b.Fatalf("bare per-poll: %d of %d records", done, want)
-		}
-		var wg sync.WaitGroup
-		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for _, r := range p.Records {
-					var ev order
-					_ = json.Unmarshal(r.Value, &ev)
-					err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) })
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					cl.MarkCommitRecords(r)
-					mu.Lock()
-					now := time.Now()
-					if done == 0 {
-						first = now
-					}
-					last = now
-					done++
-					mu.Unlock()
-				}
-			}()
-		})
-		wg.Wait()
-		cl.AllowRebalance()
+		b.Fatalf("%s: %d of %d records", group, done, want)
 	}
 	return last.Sub(first)
 }
