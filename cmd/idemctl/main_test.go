@@ -425,12 +425,10 @@ func testPurgeCutoffByDatabaseClock(t *testing.T, dbBehind bool) {
 // rows fewer than were gone.
 //
 // The interruption lands in the third batch every time, after the server
-// has done its work and before idemctl has read the answer: a trigger (in
-// the test's schema only) makes the third batch wait for an advisory lock
-// the test holds; meanwhile idemctl's connection goes through a proxy that
-// is told to hold the server's replies; the test lets the batch go on,
-// waits for the server to have answered it, cancels the run, and only then
-// delivers the reply. Two places the answer can be in flight:
+// has done its work and before idemctl has read the answer (batchGate: a
+// trigger in the test's schema holds the third batch until the test lets
+// it go, and a proxy holds the server's reply while the test cancels the
+// run). Two places the answer can be in flight:
 //
 //   - "delete": the DELETE's (a BEFORE DELETE trigger). Sent alone, the
 //     DELETE was committed as it answered, but idemctl counted nothing for
@@ -446,21 +444,9 @@ func TestPurgeInterruptedCountsWhatItDeleted(t *testing.T) {
 }
 
 func testPurgeInterrupted(t *testing.T, atCommit bool) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := faultproxy.New(t, faultproxy.PostgresTarget(dbURL))
-	t.Setenv("DATABASE_URL", proxy.RewriteURL(dbURL))
+	g := newBatchGate(t, "purge")
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := g.conn
 	const rows = 5 * purgeBatch
 	if _, err := conn.Exec(ctx, `INSERT INTO idem_outbox (topic, payload, status, parked_at)
 		SELECT 't', '', 'PARKED', now() - interval '10 days' FROM generate_series(1, $1::int)`, rows); err != nil {
@@ -472,114 +458,12 @@ func testPurgeInterrupted(t *testing.T, atCommit bool) {
 	if err := conn.QueryRow(ctx, `SELECT id FROM idem_outbox ORDER BY id OFFSET $1 LIMIT 1`, 2*purgeBatch).Scan(&gateRow); err != nil {
 		t.Fatal(err)
 	}
-	b := make([]byte, 7)
-	_, _ = rand.Read(b)
-	var lockID int64
-	for _, c := range b {
-		lockID = lockID<<8 | int64(c)
-	}
-	trigger := `CREATE TRIGGER purge_gate BEFORE DELETE ON idem_outbox FOR EACH ROW EXECUTE FUNCTION purge_gate()`
-	if atCommit {
-		trigger = `CREATE CONSTRAINT TRIGGER purge_gate AFTER DELETE ON idem_outbox
-			DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION purge_gate()`
-	}
-	if _, err := conn.Exec(ctx, `CREATE FUNCTION purge_gate() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN
-			IF OLD.id = `+strconv.FormatInt(gateRow, 10)+` THEN
-				PERFORM pg_advisory_xact_lock_shared(`+strconv.FormatInt(lockID, 10)+`);
-			END IF;
-			RETURN OLD;
-		END $$;
-		`+trigger); err != nil {
-		t.Fatal(err)
-	}
-	holder, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer holder.Close(ctx)
-	var holderPID uint32
-	if err := holder.QueryRow(ctx, `SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l`, lockID).Scan(&holderPID); err != nil {
-		t.Fatal(err)
-	}
-
-	rctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	type result struct {
-		code           int
-		stdout, stderr string
-	}
-	done := make(chan result, 1)
-	go func() {
-		var stdout, stderr strings.Builder
-		code := run(rctx, []string{"outbox", "purge", "--parked", "--older-than", "24h", "--yes"}, &stdout, &stderr)
-		done <- result{code, stdout.String(), stderr.String()}
-	}()
-	// poll waits up to 30s for cond, failing the test if the run ends first.
-	poll := func(what string, cond func() bool) {
-		t.Helper()
-		for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
-			select {
-			case r := <-done:
-				t.Fatalf("the purge ended (exit %d) before %s\nstdout: %s\nstderr: %s", r.code, what, r.stdout, r.stderr)
-			default:
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("30s and still not %s", what)
-			}
-		}
-	}
-
-	// Two batches are committed; the third waits at the gate.
-	var purgePID uint32
-	poll("the purge's backend waits at the third batch's gate", func() bool {
-		err := conn.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, holderPID).Scan(&purgePID)
-		if err != nil && err != pgx.ErrNoRows {
-			t.Fatal(err)
-		}
-		return err == nil
-	})
-	proxy.HoldReplies()
-	if _, err := holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, lockID); err != nil {
-		t.Fatal(err)
-	}
-	poll("the server answered the third batch", func() bool {
-		var state string
-		if err := conn.QueryRow(ctx, `SELECT coalesce(state, '') FROM pg_stat_activity WHERE pid = $1`, purgePID).Scan(&state); err != nil {
-			t.Fatal(err)
-		}
-		return state != "active"
-	})
-
-	cancel() // SIGINT
-	// A client that gives up on the batch closes its connection: it sends
-	// Terminate (not held), and the backend ends.
-	backendGone := func(within time.Duration) bool {
-		for deadline := time.Now().Add(within); ; time.Sleep(5 * time.Millisecond) {
-			var alive bool
-			if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)`, purgePID).Scan(&alive); err != nil {
-				t.Fatal(err)
-			}
-			if !alive {
-				return true
-			}
-			if time.Now().After(deadline) {
-				return false
-			}
-		}
-	}
+	g.gate("DELETE", gateRow, atCommit)
+	r := g.interrupt([]string{"outbox", "purge", "--parked", "--older-than", "24h", "--yes"})
 	want := int64(2 * purgeBatch)
 	if atCommit {
-		// idemctl waits for the commit's answer: nothing marks that it
-		// decided to, so a client that would give up instead is given the
-		// time to do so (microseconds) before the answer is delivered.
-		backendGone(time.Second)
 		want = 3 * purgeBatch
-	} else if !backendGone(30 * time.Second) {
-		t.Fatal("idemctl, cancelled while its batch's answer was held, did not close its connection")
 	}
-	proxy.ReleaseReplies()
-	r := <-done
 	if r.code == exitOK || !strings.Contains(r.stderr, "context canceled") {
 		t.Errorf("interrupted purge: exit %d, stderr %q; want a failure saying context canceled", r.code, r.stderr)
 	}
@@ -588,10 +472,7 @@ func testPurgeInterrupted(t *testing.T, atCommit bool) {
 		t.Fatalf("interrupted purge said no count:\nstdout: %s\nstderr: %s", r.stdout, r.stderr)
 	}
 	reported, _ := strconv.ParseInt(m[1], 10, 64)
-	// What the batch did is final once its backend has ended.
-	if !backendGone(30 * time.Second) {
-		t.Fatalf("the purge's backend %d still runs 30s after idemctl exited", purgePID)
-	}
+	g.settled()
 	var left int64
 	if err := conn.QueryRow(ctx, `SELECT count(*) FROM idem_outbox`).Scan(&left); err != nil {
 		t.Fatal(err)
