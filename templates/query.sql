@@ -280,6 +280,13 @@ WHERE id = @id;
 UPDATE idem_dead_letters SET replayed_at = now()
 WHERE id = @id AND replayed_at IS NULL;
 
+-- name: DeadLetterReplayedAfterLock :one
+-- Whether dead letter @id is marked replayed, read once no transaction
+-- holds its row: FOR SHARE waits for a replay's transaction whose COMMIT
+-- is still on its way (its answer lost) to end, so this reads that
+-- transaction's outcome rather than the state before it.
+SELECT replayed_at FROM idem_dead_letters WHERE id = @id FOR SHARE;
+
 -- name: RecordDeadLetterFailure :exec
 -- A replay that failed again: the dead letter stays, with the new error.
 UPDATE idem_dead_letters SET attempts = attempts + @attempts, last_error = @last_error

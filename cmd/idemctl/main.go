@@ -80,8 +80,9 @@ Environment:
                    its search_path selects the schema with idemgen's tables
   KAFKA_BROKERS    comma-separated seed brokers, for deadletters replay
   IDEMCTL_TIMEOUT  how long a command may wait for the database (default 1m; replay
-                   adds its --timeout; purge and requeue: each batch): a database that
-                   never answers is an error (exit 2), not a hang
+                   adds its --timeout, and up to 15s to settle the mark once the broker
+                   acked; purge and requeue: each batch): a database that never answers
+                   is an error (exit 2), not a hang
 
 Without --yes a mutating command only prints what it would do (a dry run).
 Exit status: 0 done or dry run, 1 refused or not found, 2 usage or error.
@@ -262,9 +263,27 @@ func (c *cli) timedOut() bool {
 
 func (c *cli) dbHost() string { return c.host }
 
+// closeWait bounds how long idemctl waits, once its command is done, for
+// the pool to close its connections.
+const closeWait = time.Second
+
 func (c *cli) close() {
 	if c.pool != nil {
-		c.pool.Close()
+		// pgxpool.Close waits up to 15s for each connection's cleanup, and
+		// a connection that timed out on a database that stopped answering
+		// (a partition) spends all of them sending it a cancel request: a
+		// replay whose mark timed out said so after 10s, then sat 15s more
+		// before exiting. Past closeWait the cleanup is left to the exit,
+		// which closes the sockets.
+		done := make(chan struct{})
+		go func() {
+			c.pool.Close()
+			close(done)
+		}()
+		select {
+		case <-done:
+		case <-time.After(closeWait):
+		}
 	}
 	if c.cancel != nil {
 		c.cancel()
@@ -929,7 +948,9 @@ func (c *cli) deadLettersReplay(args []string) error {
 		return fmt.Errorf("kafka client: %w", err)
 	}
 	defer cl.Close()
+	var sent bool // the produce request may have reached the broker
 	produce := func(ctx context.Context, d admin.DeadLetter) error {
+		sent = true
 		rec := &kgo.Record{Topic: d.Topic, Key: d.Key, Value: d.Value}
 		for _, h := range d.Headers {
 			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: h.Key, Value: h.Value})
@@ -937,9 +958,20 @@ func (c *cli) deadLettersReplay(args []string) error {
 		// ProduceSync returns once the broker acked (acks=all by default).
 		pctx, cancel := context.WithTimeout(ctx, *timeout)
 		defer cancel()
-		return cl.ProduceSync(pctx, rec).FirstErr()
+		r, err := cl.ProduceSync(pctx, rec).First()
+		if err != nil {
+			return err
+		}
+		// Said before the mark's commit, which may not end the way the
+		// operator sees (a second Ctrl-C ends idemctl at once, and so
+		// does a kill): the record is out whatever happens next, and an
+		// operator who is not told so replays it again.
+		c.printf("dead letter %[1]d: record produced to %[2]s partition %[3]d offset %[4]d (the broker acked); marking it replayed "+
+			"(if this does not end in \"replayed dead letter %[1]d\", the record is out all the same: do not replay it again, "+
+			"see deadletters show --id %[1]d)\n", *id, escape([]byte(r.Topic)), r.Partition, r.Offset)
+		return nil
 	}
-	c.notMarkedAdvice = fmt.Sprintf("idemctl: dead letter %[1]d still looks unreplayed, but its record is in the topic: do not replay it again "+
+	c.notMarkedAdvice = fmt.Sprintf("idemctl: dead letter %[1]d may still look unreplayed, but its record is in the topic: do not replay it again "+
 		"to retry the mark, which produces the record a second time (consumers skip that copy by its event id only while they keep "+
 		"its processed-event row, see --processed-event-age). Check `idemctl deadletters show --id %[1]d`: if it says replayed=, the "+
 		"mark did commit; if not, once the consumers have applied the record, `idemctl deadletters discard --id %[1]d --yes` "+
@@ -947,6 +979,13 @@ func (c *cli) deadLettersReplay(args []string) error {
 	found, err := a.ReplayDeadLetter(c.ctx, *id, produce)
 	if errors.Is(err, admin.ErrUnpairedHeaders) {
 		return errRefused{fmt.Errorf("%w (deadletters show --id %d shows them); discard it or repair the row", err, *id)}
+	}
+	if err != nil && sent && errors.Is(err, context.Canceled) && c.base.Err() != nil && !errors.Is(err, admin.ErrProducedNotMarked) {
+		// Interrupted while waiting for the ack: it said only "context
+		// canceled", of a record the broker may well have written (with
+		// acks=all the leader writes it before the replicas have it).
+		return fmt.Errorf("interrupted before the broker acked: dead letter %d stays unreplayed, but the broker may have written its record all the same "+
+			"(a second replay produces another copy, which consumers skip by its event id only while they keep its processed-event row): %w", *id, err)
 	}
 	if err != nil && errors.Is(err, context.DeadlineExceeded) && !c.timedOut() && !errors.Is(err, admin.ErrProducedNotMarked) {
 		if derr := dialErr.get(); derr != nil {

@@ -511,13 +511,53 @@ func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
 var ErrUnpairedHeaders = errors.New("its stored header names and values differ in length")
 
 // ErrProducedNotMarked: ReplayDeadLetter produced the record (the broker
-// acknowledged it) but could not mark the dead letter replayed. The dead
-// letter still looks unreplayed; replaying it again produces a second copy.
+// acknowledged it) but could not mark the dead letter replayed, or could
+// not tell whether it did (the error's text says which). The dead letter
+// (still) looks unreplayed; replaying it again produces a second copy.
 var ErrProducedNotMarked = errors.New("the record WAS produced (the broker acked it) but the dead letter was NOT marked replayed")
 
 // markTimeout bounds the commit of a replay's mark once the broker acked,
 // which runs even if the caller's context ends (see ReplayDeadLetter).
 const markTimeout = 10 * time.Second
+
+// readBackTimeout bounds reading a replay's mark back after its commit
+// failed (see ReplayDeadLetter).
+const readBackTimeout = 5 * time.Second
+
+// markUnknownError is ErrProducedNotMarked when the mark's commit failed
+// without an answer and reading the mark back failed too: the COMMIT may
+// have committed.
+type markUnknownError struct {
+	prefix           string
+	commit, readBack error
+}
+
+func (e *markUnknownError) Error() string {
+	return fmt.Sprintf("%s: the record WAS produced (the broker acked it); whether the dead letter was marked replayed is UNKNOWN: "+
+		"its commit failed (%v) and reading the mark back failed (%v)", e.prefix, e.commit, e.readBack)
+}
+
+func (e *markUnknownError) Is(target error) bool { return target == ErrProducedNotMarked }
+
+func (e *markUnknownError) Unwrap() []error { return []error{e.commit, e.readBack} }
+
+// markedReplayed reads back whether dead letter id is marked replayed, once
+// no transaction holds its row, even if ctx has ended, within
+// readBackTimeout (a replay's transaction still open past it: an error).
+func (a *Admin) markedReplayed(ctx context.Context, id int64) (bool, error) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), readBackTimeout)
+	defer cancel()
+	// Under a share lock: a plain read while the replay's COMMIT was still
+	// on its way read the mark unset, and the COMMIT landed after it.
+	at, err := a.q.DeadLetterReplayedAfterLock(rctx, id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil // discarded since: not marked by this replay
+	}
+	if err != nil {
+		return false, err
+	}
+	return at.Valid, nil
+}
 
 // Producer produces a dead letter's record (topic, key, value, headers) to
 // the broker and returns only once the broker acknowledged it.
@@ -545,9 +585,12 @@ type Producer func(ctx context.Context, d DeadLetter) error
 // so the mark is committed even if ctx is cancelled or its deadline passes
 // meanwhile (an operator's Ctrl-C right after the ack), like a COMMIT
 // already decided: under context.WithoutCancel, bounded by a timeout of its
-// own (10s). If that commit fails all the same, the error wraps
-// ErrProducedNotMarked (and the commit's error): the caller must tell the
-// operator that the record went out.
+// own (10s). If that commit fails all the same, the mark is read back
+// (within 5s more): a COMMIT whose answer was lost may have committed, and
+// then the replay did succeed (true, nil). Otherwise the error wraps
+// ErrProducedNotMarked (and the commit's error), saying whether the mark
+// was read back unset or could not be read at all: the caller must tell
+// the operator that the record went out.
 //
 // A dead letter whose header arrays differ in length is refused with
 // ErrUnpairedHeaders before anything is produced.
@@ -590,7 +633,21 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
 	defer cancel()
 	if err := tx.Commit(mctx); err != nil {
-		return false, fmt.Errorf("replay dead letter %d to %q (partition-key %q): %w: %w", id, d.Topic, d.Key, ErrProducedNotMarked, err)
+		// A COMMIT whose answer was lost or came too late (a slow or
+		// broken network) may have committed: reported as "NOT marked",
+		// the dead letter was marked all the same. Read the mark back,
+		// on a connection of its own once this one is released (a pool
+		// of one has no other).
+		rollback(ctx, tx)
+		prefix := fmt.Sprintf("replay dead letter %d to %q (partition-key %q)", id, d.Topic, d.Key)
+		marked, rerr := a.markedReplayed(ctx, id)
+		switch {
+		case rerr != nil:
+			return false, &markUnknownError{prefix: prefix, commit: err, readBack: rerr}
+		case marked:
+			return true, nil
+		}
+		return false, fmt.Errorf("%s: %w: %w", prefix, ErrProducedNotMarked, err)
 	}
 	return true, nil
 }

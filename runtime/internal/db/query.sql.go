@@ -375,6 +375,21 @@ func (q *Queries) DatabaseNow(ctx context.Context) (pgtype.Timestamptz, error) {
 	return now, err
 }
 
+const DeadLetterReplayedAfterLock = `-- name: DeadLetterReplayedAfterLock :one
+SELECT replayed_at FROM idem_dead_letters WHERE id = $1 FOR SHARE
+`
+
+// Whether dead letter @id is marked replayed, read once no transaction
+// holds its row: FOR SHARE waits for a replay's transaction whose COMMIT
+// is still on its way (its answer lost) to end, so this reads that
+// transaction's outcome rather than the state before it.
+func (q *Queries) DeadLetterReplayedAfterLock(ctx context.Context, id int64) (pgtype.Timestamptz, error) {
+	row := q.db.QueryRow(ctx, DeadLetterReplayedAfterLock, id)
+	var replayed_at pgtype.Timestamptz
+	err := row.Scan(&replayed_at)
+	return replayed_at, err
+}
+
 const DeleteDeadLetter = `-- name: DeleteDeadLetter :execrows
 DELETE FROM idem_dead_letters WHERE id = $1
 `
