@@ -59,8 +59,8 @@ Dead letters:
                                            a page of --limit (default 100)
   deadletters show    --id N [--max-bytes 4096 | --full]
                                            key, value and headers, escaped; each cut at
-                                           --max-bytes bytes (its full size noted), --full:
-                                           whole
+                                           --max-bytes bytes (its full size noted), the
+                                           first 100 headers; --full: everything, whole
   deadletters replay  --id N [--yes] [--timeout 30s] [--processed-event-age 168h] [--force]
                                            re-produce to its topic (needs KAFKA_BROKERS),
                                            mark it replayed once the broker acked; one
@@ -770,16 +770,33 @@ func (c *cli) printDeadLetter(d admin.DeadLetter) {
 			"then the unpaired rest; replay refuses this dead letter\n",
 			len(d.Headers)+len(d.UnpairedHeaderKeys), len(d.Headers)+len(d.UnpairedHeaderValues))
 	}
-	for _, h := range d.Headers {
-		c.printf("  %s: %s\n", field([]byte(h.Key)), field(h.Value))
+	// Bounded in number too, unless --full: each header cut at --max-bytes
+	// still printed a line of its own, and a record of 200,000 small
+	// headers printed 5 MB.
+	total := len(d.Headers) + len(d.UnpairedHeaderKeys) + len(d.UnpairedHeaderValues)
+	shown := total
+	if c.maxBytes > 0 {
+		shown = min(total, maxHeadersShown)
 	}
-	for _, k := range d.UnpairedHeaderKeys {
-		c.printf("  name without a value: %s\n", field([]byte(k)))
+	for i := range shown {
+		switch {
+		case i < len(d.Headers):
+			h := d.Headers[i]
+			c.printf("  %s: %s\n", field([]byte(h.Key)), field(h.Value))
+		case i < len(d.Headers)+len(d.UnpairedHeaderKeys):
+			c.printf("  name without a value: %s\n", field([]byte(d.UnpairedHeaderKeys[i-len(d.Headers)])))
+		default:
+			c.printf("  value without a name: %s\n", field(d.UnpairedHeaderValues[i-len(d.Headers)-len(d.UnpairedHeaderKeys)]))
+		}
 	}
-	for _, v := range d.UnpairedHeaderValues {
-		c.printf("  value without a name: %s\n", field(v))
+	if shown < total {
+		c.printf("  … and %d more (first %d of %d headers shown; --full shows all)\n", total-shown, shown, total)
 	}
 }
+
+// maxHeadersShown is how many headers deadletters show prints unless
+// --full.
+const maxHeadersShown = 100
 
 // defaultMaxBytes is how many bytes of each field deadletters show prints
 // by default: a poison record of megabytes flooded the terminal.

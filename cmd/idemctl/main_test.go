@@ -533,3 +533,53 @@ func TestShowBoundedByDefault(t *testing.T) {
 		t.Errorf("--full did not print the value whole (%d bytes of output)", stdout.Len())
 	}
 }
+
+// TestShowBoundsHeaderCount: deadletters show cut each header at
+// --max-bytes but printed every one: a record of 200,000 small headers
+// printed 5 MB. It shows the first 100 and says how many more; --full
+// shows all.
+func TestShowBoundsHeaderCount(t *testing.T) {
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DATABASE_URL", dbURL)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	const n = 200000
+	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+		SELECT 1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', array_agg(convert_to('h' || i, 'UTF8') ORDER BY i), array_agg(convert_to('0123456789', 'UTF8') ORDER BY i), 3, 'boom'
+		FROM generate_series(1, $1) i`, n); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr strings.Builder
+	if code := run(ctx, []string{"deadletters", "show", "--id", "1"}, &stdout, &stderr); code != exitOK {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if got := stdout.Len(); got > 32<<10 {
+		t.Errorf("deadletters show printed %d bytes for %d headers of 10 bytes; want the first 100", got, n)
+	}
+	for _, w := range []string{"headers:    200000\n", `  "h1": "0123456789"` + "\n", `  "h100": "0123456789"` + "\n",
+		"  … and 199900 more (first 100 of 200000 headers shown; --full shows all)\n"} {
+		if !strings.Contains(stdout.String(), w) {
+			t.Errorf("stdout lacks %q", w)
+		}
+	}
+	if strings.Contains(stdout.String(), `"h101"`) {
+		t.Error("header 101 shown")
+	}
+	stdout.Reset()
+	if code := run(ctx, []string{"deadletters", "show", "--id", "1", "--full"}, &stdout, &stderr); code != exitOK {
+		t.Fatalf("--full: exit %d: %s", code, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), `  "h200000": "0123456789"`+"\n") || strings.Contains(stdout.String(), "more (first") {
+		t.Errorf("--full did not print every header (%d bytes)", stdout.Len())
+	}
+}
