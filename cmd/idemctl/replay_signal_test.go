@@ -345,9 +345,13 @@ func TestReplayMarkAnswerLost(t *testing.T) {
 		db.Latency(11 * time.Second) // what is sent now: the mark's COMMIT
 		time.AfterFunc(time.Second, func() { db.Latency(0) })
 	})
+	start := time.Now()
 	c := startIdemctl(t, f.env, "deadletters", "replay", "--id", "1", "--yes", "--timeout", "20s")
 	code := c.wait(t, 60*time.Second)
-	t.Logf("exit %d\nstdout: %s\nstderr: %s", code, c.stdout, c.stderr)
+	t.Logf("exit %d after %v\nstdout: %s\nstderr: %s", code, time.Since(start), c.stdout, c.stderr)
+	if time.Since(start) < 10*time.Second {
+		t.Fatal("the mark's COMMIT was answered within its 10s: the case is not tested (sent after the latency was lifted?)")
+	}
 	at := f.replayedAt(t)
 	t.Logf("replayed_at %v", at)
 	if at == nil {
