@@ -267,20 +267,27 @@ func TestReplaySecondSignalAfterAck(t *testing.T) {
 	}
 }
 
-// TestReplayInterruptedAfterAckMarks: one Ctrl-C after the broker acked,
-// while the mark's COMMIT is on its way (a slow network to the database):
-// the real process commits the mark all the same and says replayed, exit 0.
+// TestReplayInterruptedAfterAckMarks: one Ctrl-C (or SIGTERM) after the
+// broker acked, while the mark's COMMIT is on its way (a slow network to
+// the database): the real process commits the mark all the same and says
+// replayed, exit 0.
 func TestReplayInterruptedAfterAckMarks(t *testing.T) {
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
+		t.Run(sig.String(), func(t *testing.T) { testReplayInterruptedAfterAckMarks(t, sig) })
+	}
+}
+
+func testReplayInterruptedAfterAckMarks(t *testing.T, sig syscall.Signal) {
 	f := newReplayFixture(t, func(db *faultproxy.Proxy) { db.Latency(1500 * time.Millisecond) })
 	c := startIdemctl(t, f.env, "deadletters", "replay", "--id", "1", "--yes", "--timeout", "20s")
 	if !c.stdout.waitFor(producedLine, 20*time.Second) {
 		t.Fatalf("idemctl did not say the record was produced\nstdout: %s\nstderr: %s", c.stdout, c.stderr)
 	}
-	c.signal(t, syscall.SIGINT)
+	c.signal(t, sig)
 	code := c.wait(t, 20*time.Second)
 	t.Logf("exit %d\nstdout: %s\nstderr: %s", code, c.stdout, c.stderr)
 	if code != 0 || !strings.Contains(c.stdout.String(), "replayed dead letter 1") {
-		t.Errorf("exit %d after one Ctrl-C once acked; want 0 and replayed", code)
+		t.Errorf("exit %d after one %v once acked; want 0 and replayed", code, sig)
 	}
 	if f.replayedAt(t) == nil {
 		t.Error("dead letter 1 is not marked replayed although its record was produced")
