@@ -1045,10 +1045,14 @@ func classifyFunctionError(ctx context.Context, tx pgx.Tx, err error) error {
 	case pgErr.Code == "57014":
 		// Not the request's cancellation (cancelledByCtx, above): the
 		// server cancelled the function's statement (statement_timeout, an
-		// operator's pg_cancel_backend), as it will again on a retry. The
-		// consumer charges it to the record (errStatementCancelled).
+		// operator's pg_cancel_backend, or a context of the function's own
+		// on a pool whose context watcher sends a cancel request,
+		// pgconn.CancelRequestContextWatcherHandler: the connection stays
+		// open and the error holds no context error, so the runtime cannot
+		// tell which), as it will again on a retry. The consumer charges it
+		// to the record (errStatementCancelled).
 		return &Error{Status: http.StatusInternalServerError, Title: "Statement cancelled", Err: err,
-			Detail: "a statement of the function was cancelled by the database (statement_timeout, or an operator); nothing was done"}
+			Detail: "a statement of the function was cancelled by the database (statement_timeout, an operator, or a deadline or cancellation of the function's own, not the request's, on a pool that sends cancel requests); nothing was done"}
 	}
 	return err
 }

@@ -627,3 +627,45 @@ func TestRevprobPoolHookTimeouts(t *testing.T) {
 		})
 	}
 }
+
+// A pool whose context watcher sends a cancel request
+// (pgconn.CancelRequestContextWatcherHandler): the function's own deadline
+// ends its statement with the server's 57014, the connection open and the
+// error holding no context error. The answer is the 500 "Statement
+// cancelled" (the function's failure, no Retry-After, key free), but its
+// detail blamed only "the database (statement_timeout, or an operator)":
+// neither happened. It names the function's own context as a possible
+// cause now.
+func TestRevprobOwnDeadlineCancelRequestWatcher(t *testing.T) {
+	pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) {
+		c.ConnConfig.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 5 * time.Second}
+		}
+	})
+	e := newEnvPool(t, pool)
+	logs := &lockedBuffer{}
+	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	var slow atomic.Bool
+	slow.Store(true)
+	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+		if !slow.Load() {
+			return nil
+		}
+		qctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer cancel()
+		_, err := tx.Exec(qctx, `SELECT pg_sleep(5)`)
+		return fmt.Errorf("slow query: %w", err)
+	}
+	url, answers := rpServer(t, e.handler(idem.Endpoint{}))
+	rpMustPost(t, url, "k-cr", body1)
+	a := rpNext(t, answers)
+	rpWant(t, "own deadline, cancel request", a, http.StatusInternalServerError, "Statement cancelled", "of the function's own", false)
+	if !strings.Contains(logs.String(), "idempotent handler failed") {
+		t.Fatalf("log:\n%s", logs)
+	}
+	if e.effects() != 0 || e.keys() != 0 {
+		t.Fatalf("%d effects, %d keys", e.effects(), e.keys())
+	}
+	slow.Store(false)
+	rpRetryRunsOnce(t, e, url, "k-cr")
+}
