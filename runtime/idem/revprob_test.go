@@ -669,3 +669,44 @@ func TestRevprobOwnDeadlineCancelRequestWatcher(t *testing.T) {
 	slow.Store(false)
 	rpRetryRunsOnce(t, e, url, "k-cr")
 }
+
+// As TestRevprobClientGoneDuringCommit, the client retrying at once, while
+// the abandoned COMMIT's backend may still run: the retry waits for the
+// key (in flight elsewhere), then replays what committed or runs once;
+// never a second effect, never a 409 within the wait.
+func TestRevprobImmediateRetryAfterCommitUnknown(t *testing.T) {
+	e := newEnv(t)
+	pgtest.Exec(t, e.pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
+		CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+			FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION slow_commit()`)
+	returned := make(chan struct{}, 1)
+	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
+		select {
+		case returned <- struct{}{}:
+		default:
+		}
+		return nil
+	}
+	url, answers := rpServer(t, e.handler(idem.Endpoint{}))
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-returned
+		time.Sleep(300 * time.Millisecond)
+		cancel()
+	}()
+	if _, err := rpPost(ctx, url, "k-now", body1); err == nil {
+		t.Fatal("client: no error after cancelling")
+	}
+	a := rpNext(t, answers)
+	rpWant(t, "gone during COMMIT", a, http.StatusServiceUnavailable, "Outcome unknown", "retry with the same idempotency key", true)
+	r := rpMustPost(t, url, "k-now", body1)
+	if r.status != http.StatusCreated {
+		t.Fatalf("immediate retry: %d %s", r.status, r.body)
+	}
+	replayed := r.header.Get("Idempotent-Replayed") == "true"
+	if e.effects() != 1 || e.keys() != 1 || (replayed && e.calls.Load() != 1) || (!replayed && e.calls.Load() != 2) {
+		t.Fatalf("immediate retry (replayed %v): %d effects, %d keys, %d calls", replayed, e.effects(), e.keys(), e.calls.Load())
+	}
+	t.Logf("immediate retry replayed=%v", replayed)
+}
