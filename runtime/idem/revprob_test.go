@@ -526,10 +526,10 @@ func TestRevprobOwnDeadlineEndsStatement(t *testing.T) {
 
 // A blackholed database (accepts TCP, never answers), a new connection
 // needed: with connect_timeout within the wait, 503 "storage unavailable";
-// without, the wait runs out: 503 "Database busy". Both with Retry-After,
+// without one, or a longer one, the wait runs out: 503 "Database busy". Both with Retry-After,
 // function never called, the retry after runs once.
 func TestRevprobBlackholedConnectTimeout(t *testing.T) {
-	for _, ct := range []time.Duration{0, 500 * time.Millisecond} {
+	for _, ct := range []time.Duration{0, 500 * time.Millisecond, 5 * time.Second} {
 		t.Run(fmt.Sprintf("connect_timeout=%v", ct), func(t *testing.T) {
 			url := pgtest.Schema(t)
 			px := faultproxy.New(t, faultproxy.PostgresTarget(url))
@@ -545,13 +545,13 @@ func TestRevprobBlackholedConnectTimeout(t *testing.T) {
 			took := time.Since(start)
 			a := rpNext(t, answers)
 			px.Restore()
-			if ct > 0 {
+			if ct > 0 && ct < 2*time.Second {
 				rpWant(t, "connect timeout", a, http.StatusServiceUnavailable, "", "storage unavailable; nothing was done, retry later", true)
 				if took > 1500*time.Millisecond || !strings.Contains(logs.String(), "idempotency storage failed") {
 					t.Fatalf("took %v; log %s", took, logs)
 				}
 			} else {
-				rpWant(t, "no connect timeout", a, http.StatusServiceUnavailable, "Database busy", "no connection or a lock within the wait", true)
+				rpWant(t, "no connect timeout within the wait", a, http.StatusServiceUnavailable, "Database busy", "no connection or a lock within the wait", true)
 			}
 			if e.calls.Load() != 0 {
 				t.Fatal("function ran")
@@ -709,4 +709,29 @@ func TestRevprobImmediateRetryAfterCommitUnknown(t *testing.T) {
 		t.Fatalf("immediate retry (replayed %v): %d effects, %d keys, %d calls", replayed, e.effects(), e.keys(), e.calls.Load())
 	}
 	t.Logf("immediate retry replayed=%v", replayed)
+}
+
+// The database down (connection refused), a new connection needed: 503
+// "storage unavailable" at once, logged, with Retry-After; never "Database
+// busy" nor "request cancelled".
+func TestRevprobDatabaseDownIsStorageUnavailable(t *testing.T) {
+	url := pgtest.Schema(t)
+	px := faultproxy.New(t, faultproxy.PostgresTarget(url))
+	proxied := pgtest.PoolURL(t, px.RewriteURL(url), nil)
+	e := newEnvPool(t, proxied)
+	logs := &lockedBuffer{}
+	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	hurl, answers := rpServer(t, e.handler(idem.Endpoint{Wait: 5 * time.Second}))
+	proxied.Reset()
+	px.Down()
+	start := time.Now()
+	rpMustPost(t, hurl, "k-down", body1)
+	took := time.Since(start)
+	a := rpNext(t, answers)
+	px.Restore()
+	rpWant(t, "database down", a, http.StatusServiceUnavailable, "", "storage unavailable; nothing was done, retry later", true)
+	if took > 2*time.Second || !strings.Contains(logs.String(), "idempotency storage failed") || e.calls.Load() != 0 {
+		t.Fatalf("took %v, %d calls; log %s", took, e.calls.Load(), logs)
+	}
+	rpRetryRunsOnce(t, e, hurl, "k-down")
 }
