@@ -492,7 +492,7 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 		}
 	}
 	attempt, outage := r.attempts, 0
-	slow := 0                 // *slowProbeError attempts in a row (handlerCulprit)
+	slow := 0                 // *slowProbeError or *unclearError attempts in a row (handlerCulprit)
 	var outageSince time.Time // the first failure of the current run of outage tries
 	if r.failed != nil {
 		attempt++
@@ -546,7 +546,7 @@ func (p *Processor) processFrom(ctx context.Context, w *inlineGuard, h *EventHan
 			return 0, ctxErr
 		}
 		err = p.handlerCulprit(ctx, err, slow) // the attempt's connection is released now
-		if sp := (*slowProbeError)(nil); errors.As(err, &sp) {
+		if sp, ue := (*slowProbeError)(nil), (*unclearError)(nil); errors.As(err, &sp) || errors.As(err, &ue) {
 			slow++
 		} else {
 			slow = 0
@@ -626,9 +626,11 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 	// connection goes back to the pool outside any transaction, and pgxpool
 	// destroys one left in a transaction or broken instead of reusing it.
 	defer conn.Release()
+	sent := time.Now()
 	r, err := dbx.BeginRecordEvent(sctx, conn.Conn(), max(p.cfg.IdleInTransactionTimeout, 0), replayID, db.InsertProcessedEventParams{
 		Context: h.Context, EventID: id, Topic: rec.Topic, Kpartition: rec.Partition, Koffset: rec.Offset,
 	})
+	answered := time.Now()
 	cancel()
 	tx := r.Tx
 	defer endTx(ctx, tx) // after CheckedCommit this sends nothing
@@ -645,29 +647,45 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 	outcome := Duplicate
 	var idle time.Duration // the handler's longest idle stretch (idleClock), monotonic
 	var returned time.Time
+	var clock *idleClock
 	if n == 1 && w != nil && w.verifying {
 		return 0, errNotApplied // rolled back: the check writes nothing
 	}
 	if n == 1 {
 		called := time.Now()
 		htx := clockTx(tx, called)
+		clock = htx.clock
+		clock.began(sent, answered)
 		err := safeCall(eventContext(ctx, h, id), w, h, htx, ev)
 		returned = time.Now()
-		idle = htx.clock.idle(returned)
+		idle = clock.idle(returned)
 		if err != nil {
 			ferr := handlerFailure(ctx, tx, err)
 			var oe *outageError
 			if errors.As(ferr, &oe) {
 				// A closed connection: the handler's own context may have
-				// closed it (ownCtxCause), decided in handlerCulprit.
-				return 0, suspect(ferr, idle, 0, ownCtxCause(ctx, tx, htx.clock, err), htx.clock.ran(returned.Sub(called)))
+				// closed it (ownCtxCause), or its transaction's lowered
+				// idle timeout (idleWindow), decided in handlerCulprit.
+				return 0, withWindow(suspect(ferr, idle, 0, ownCtxCause(ctx, tx, clock, err), clock.ran(returned.Sub(called))), handlerWindow(clock, returned))
 			}
 			return 0, suspectIdle(ferr, idle, 0)
 		}
-		if cause := ownCtxCause(ctx, tx, htx.clock, nil); cause != nil {
+		if cause := ownCtxCause(ctx, tx, clock, nil); cause != nil {
 			// Returned nil on a connection its own context closed: no
 			// COMMIT can succeed there (sent, it fails as an outage).
-			return 0, suspect(&outageError{err: errConnClosedUnderHandler}, idle, 0, cause, htx.clock.ran(returned.Sub(called)))
+			return 0, suspect(&outageError{err: errConnClosedUnderHandler}, idle, 0, cause, clock.ran(returned.Sub(called)))
+		}
+		if tx.Conn().IsClosed() {
+			// Returned nil on a closed connection: no COMMIT can succeed
+			// there, and it failed as an outage on every attempt. Judged
+			// as the handler's call that closed it failed (the handler
+			// swallowed its error: a 25P03 of its idling is its own), or,
+			// with no such call, as unclear (closedCulprit).
+			if end := clock.ended(); end != nil {
+				ferr := &outageError{err: fmt.Errorf("%w: %w", errSwallowedConnEnd, end.err)}
+				return 0, withWindow(suspectIdle(ferr, idle, 0), end.window)
+			}
+			return 0, &handlerSuspect{err: &outageError{err: errConnClosedUnderHandler}, closedNil: true}
 		}
 		if err := handlerLeftTx(tx); err != nil {
 			return 0, err
@@ -683,6 +701,7 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 	if w != nil {
 		w.committing = true // until commit returns: see processOnLane
 	}
+	commitAt := time.Now()
 	err = p.commit(ctx, tx)
 	if w != nil {
 		w.committing = false
@@ -692,11 +711,22 @@ func (p *Processor) applyOnce(ctx context.Context, w *inlineGuard, h *EventHandl
 			// The runtime's time since the handler returned counts up to
 			// the COMMIT's answer: a process frozen anywhere in it (before
 			// the COMMIT was sent included) is not the handler's doing.
-			return 0, suspectIdle(err, idle, time.Since(returned))
+			failed := time.Now()
+			return 0, withWindow(suspectIdle(err, idle, failed.Sub(returned)), clock.windowAt(returned, commitAt, failed))
 		}
 		return 0, err
 	}
 	return outcome, nil
+}
+
+// handlerWindow is the idle window a handler's failure on a closed
+// connection ended: its call that closed the connection, or, with none
+// seen (a statement sent through tx.Conn()), the handler's return.
+func handlerWindow(clock *idleClock, returned time.Time) idleWindow {
+	if end := clock.ended(); end != nil {
+		return end.window
+	}
+	return clock.windowAt(returned, returned, returned)
 }
 
 // pipelineError is the failure of the statements dbx pipelines before the

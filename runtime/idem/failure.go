@@ -566,16 +566,23 @@ func idleCulprit(err error, idle, after, timeout time.Duration) error {
 // to be the cause. 0 when off or when it cannot be read (the database down:
 // then it stays an outage).
 func idleTimeout(ctx context.Context, pool *pgxpool.Pool, configured, bound time.Duration) time.Duration {
+	d, _ := idleTimeoutKnown(ctx, pool, configured, bound)
+	return d
+}
+
+// idleTimeoutKnown is idleTimeout, and whether the timeout is known: false
+// when the session's could not be read. A known 0 is off.
+func idleTimeoutKnown(ctx context.Context, pool *pgxpool.Pool, configured, bound time.Duration) (time.Duration, bool) {
 	if configured > 0 {
-		return configured
+		return configured, true
 	}
 	ctx, cancel := context.WithTimeout(ctx, bound)
 	defer cancel()
 	ms, err := db.New(pool).SessionIdleInTransactionTimeout(ctx)
-	if err != nil || ms <= 0 {
-		return 0
+	if err != nil {
+		return 0, false
 	}
-	return time.Duration(ms) * time.Millisecond
+	return time.Duration(max(ms, 0)) * time.Millisecond, true
 }
 
 // handlerSuspect is an attempt's failure that reads as an outage but that
@@ -602,6 +609,12 @@ type handlerSuspect struct {
 	// ran is how long the database was given to answer before that
 	// context ended the statement (see dbAnswers).
 	ran time.Duration
+	// window, when not nil, is the idle window the 25P03 ended (see
+	// idleWindow).
+	window *idleWindow
+	// closedNil: the handler returned nil on a transaction whose
+	// connection is closed, with no failed call of its own to say why.
+	closedNil bool
 }
 
 func (e *handlerSuspect) Error() string { return e.err.Error() }
@@ -624,6 +637,15 @@ func suspect(err error, idle, after time.Duration, ownCtx error, ran time.Durati
 	return &handlerSuspect{err: err, idle: idle, after: after, ownCtx: ownCtx, ran: ran}
 }
 
+// withWindow adds w, the idle window the failure ended, to err when it is
+// a *handlerSuspect of a 25P03.
+func withWindow(err error, w idleWindow) error {
+	if s, ok := err.(*handlerSuspect); ok && pgCode(s.err) == idleEnded {
+		s.window = &w
+	}
+	return err
+}
+
 // handlerCulprit resolves a *handlerSuspect in err: the record's failure
 // (*idleTimeoutError, *ownCtxError) when the handler caused it (see above
 // and ownCtxError), otherwise the error without the rules (an outage).
@@ -639,6 +661,11 @@ func (p *Processor) handlerCulprit(ctx context.Context, err error, slow int) err
 	if pgCode(s.err) == idleEnded && s.idle >= p.cfg.IdleInTransactionTimeout {
 		if ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)); ie != nil {
 			return ie
+		}
+	}
+	if s.window != nil || s.closedNil {
+		if err := p.closedCulprit(ctx, s, slow); err != nil {
+			return err
 		}
 	}
 	if s.ownCtx != nil {
@@ -827,3 +854,167 @@ func (e *slowProbeError) Error() string {
 	return "the database answered only slowly after the handler's own context ended its statement: " + e.err.Error()
 }
 func (e *slowProbeError) Unwrap() error { return e.err }
+
+// A 25P03 after a handler never idle as long as the runtime's timeout
+// (IdleInTransactionTimeout, or the session's) was waited out as an
+// outage. But a handler can lower the timeout in its own transaction
+// (SET LOCAL idle_in_transaction_session_timeout, set_config, a function
+// that does) and idle past that: then the server ends the session on
+// every attempt, with the database healthy, and the record blocked its
+// partition forever. Likewise a handler that got the 25P03 (or any error
+// that closed the connection) from one of its statements and returned
+// nil: its COMMIT failed on the closed connection, an outage, forever.
+//
+// Which timeout fired cannot be read from the dead session; when it fired
+// can be bounded. The server times an idle stretch from a statement's
+// answer leaving it to the next statement arriving; the FATAL is the
+// answer to that next statement (or waits for it). So the server's idle
+// stretch lies inside the client's window from sending the last statement
+// the server answered to reading the FATAL: the runtime's BEGIN or the
+// handler's last call, the time between (the handler's idling, the
+// runtime's own time before calling it or after it returned), and the
+// round trip that read the FATAL (a call of the handler's, or the
+// COMMIT). A window shorter than the runtime's timeout proves that the
+// timeout in force was lowered inside the transaction: only the
+// handler's statements run there. Who then spent the time is what the
+// parts of the window say:
+//
+//   - the handler held the transaction idle for most of it, and the
+//     database answers a round trip faster than the handler idled: the
+//     record's failure (*loweredIdleError), at once;
+//   - the runtime's own time was most of it (a process frozen in the
+//     runtime's code): an outage, never charged;
+//   - otherwise (a round trip slow for a network stall, a timeout so short
+//     that normal round trips reach it, a probe slower than the handler's
+//     idling), unclear: waited out as an outage while the database
+//     answers, at most ownCtxSlowProbes-1 times in a row; the next is the
+//     record's failure. A stall would have to end the session on as many
+//     tries in a row, each begun on a database that answered.
+//
+// A window as long as the runtime's timeout, or a timeout that cannot be
+// read, leaves the 25P03 the outage it was (a process frozen, a network
+// stalled that long). A handler that returned nil on a closed connection
+// with no failed call of its own to show (closed through tx.Conn(), or
+// by the handler) is unclear too, when the database answers.
+
+// idleWindow is the client's window in which a session ended with 25P03:
+// from sending the last statement the server answered to reading the
+// FATAL (span), the handler's own idle stretch in it (handler) and the
+// runtime's own time in it outside round trips (runtime).
+type idleWindow struct {
+	span, handler, runtime time.Duration
+}
+
+// windowVerdict is what an idleWindow says.
+type windowVerdict int
+
+const (
+	windowOutage  windowVerdict = iota // the runtime's timeout may have fired, or the runtime's own time did it
+	windowHandler                      // the timeout was lowered, and the handler idled most of the window
+	windowUnclear                      // the timeout was lowered, the time went into round trips
+)
+
+// verdict judges w against timeout, the runtime's (0: off).
+func (w idleWindow) verdict(timeout time.Duration) windowVerdict {
+	switch {
+	case timeout > 0 && w.span >= timeout:
+		return windowOutage
+	case 2*w.runtime > w.span:
+		return windowOutage
+	case 2*w.handler > w.span:
+		return windowHandler
+	}
+	return windowUnclear
+}
+
+// loweredIdleError is a session the server ended with 25P03 within a
+// window shorter than the runtime's idle_in_transaction_session_timeout:
+// the handler's transaction lowered it (see idleWindow).
+type loweredIdleError struct {
+	window  idleWindow
+	timeout time.Duration // the runtime's; 0: off
+	tries   int           // unclear tries in a row that ended so; 0: the handler idled most of the window
+	// swallowed: the handler got the error from its statement and
+	// returned nil.
+	swallowed bool
+	err       error
+}
+
+func (e *loweredIdleError) Error() string {
+	limit := "off"
+	if e.timeout > 0 {
+		limit = e.timeout.String()
+	}
+	how := fmt.Sprintf("the handler held its transaction idle for %v of it", e.window.handler.Round(time.Millisecond))
+	if e.tries > 0 {
+		how = fmt.Sprintf("it ended so on %d tries in a row while the database answered (the handler idle for %v of the last)", e.tries, e.window.handler.Round(time.Millisecond))
+	}
+	if e.swallowed {
+		how += " (and it returned nil after a statement of its own failed so)"
+	}
+	return fmt.Sprintf("the server ended the session for idling in the transaction within %v, although the runtime's idle_in_transaction_session_timeout (%s) was never reached: "+
+		"the handler's transaction lowered it (SET LOCAL idle_in_transaction_session_timeout, set_config, a function that sets it), and %s; "+
+		"the attempt rolled back (raise that setting, or keep slow work outside the transaction): %v",
+		e.window.span.Round(time.Millisecond), limit, how, e.err)
+}
+func (e *loweredIdleError) Unwrap() error { return e.err }
+
+// unclearError is an attempt that ended on a closed connection the
+// handler may have caused (see idleWindow) while the database answers:
+// waited out as the outage err is, at most ownCtxSlowProbes-1 times in a
+// row.
+type unclearError struct{ err error }
+
+func (e *unclearError) Error() string {
+	return "the connection closed under the handler, maybe of its own doing, and the database answers: " + e.err.Error()
+}
+func (e *unclearError) Unwrap() error { return e.err }
+
+// errSwallowedConnEnd is a handler returning nil after one of its calls
+// failed and closed the connection.
+var errSwallowedConnEnd = errors.New("the handler returned nil after one of its statements failed and closed the connection")
+
+// closedCulprit judges s, a 25P03 with its window or a handler that
+// returned nil on a closed connection (see idleWindow): the record's
+// failure, an *unclearError, or nil when it is an outage as far as these
+// rules go. slow is as in handlerCulprit.
+func (p *Processor) closedCulprit(ctx context.Context, s *handlerSuspect, slow int) error {
+	unclear := func(charge error) error {
+		if dbAnswers(ctx, p.pool, p.cfg.StorageTimeout, p.cfg.StorageTimeout) == noAnswer {
+			return nil
+		}
+		if slow+1 >= ownCtxSlowProbes {
+			return charge
+		}
+		return &unclearError{err: s.err}
+	}
+	if s.closedNil {
+		// The record's failure, not wrapping s.err: an outage by its type.
+		return unclear(fmt.Errorf("%w (on %d tries in a row, the database answering): %v", errConnClosedUnderHandler, slow+1, s.err))
+	}
+	timeout, known := idleTimeoutKnown(ctx, p.pool, p.cfg.IdleInTransactionTimeout, p.cfg.StorageTimeout)
+	if !known {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(s.err, &pgErr) {
+		return nil
+	}
+	// The server's error, never the *outageError or *storageError around
+	// it: the record's failure.
+	lowered := &loweredIdleError{window: *s.window, timeout: timeout, swallowed: errors.Is(s.err, errSwallowedConnEnd), err: pgErr}
+	switch s.window.verdict(timeout) {
+	case windowHandler:
+		switch dbAnswers(ctx, p.pool, p.cfg.StorageTimeout, s.window.handler) {
+		case answers:
+			return lowered
+		case noAnswer:
+			return nil
+		}
+		fallthrough
+	case windowUnclear:
+		lowered.tries = slow + 1
+		return unclear(lowered)
+	}
+	return nil
+}

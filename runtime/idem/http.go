@@ -598,13 +598,13 @@ var (
 func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	deadline := time.Now().Add(ep.Wait)
 	if in.key == nil {
-		tx, conn, _, err := h.begin(ctx, deadline, nil)
+		tx, conn, c, err := h.begin(ctx, deadline, nil)
 		if err != nil {
 			return nil, err
 		}
 		defer conn.Release()
 		defer rollback(ctx, tx) // after Commit this is a no-op
-		return h.run(ctx, ep, in, tx, false, call)
+		return h.run(ctx, ep, in, tx, false, c, call)
 	}
 	stored := in.key.storageKey()
 	turn, out, err := h.flights.wait(ctx, stored, in.fingerprint, deadline, ep.NoWait)
@@ -712,7 +712,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	// over where StoreNewKey would fail again at every attempt until the
 	// wait ran out.
 	fresh := !c.found && !rowSeen && !dbx.SnapshotBeforeClaim(h.txOptions)
-	return h.run(ctx, ep, in, tx, fresh, call)
+	return h.run(ctx, ep, in, tx, fresh, c, call)
 }
 
 // claimResult is what a claim found: claimed, this transaction runs the
@@ -721,6 +721,9 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 type claimResult struct {
 	claimed, found bool
 	row            db.GetKeyRow
+	// sent and answered time the round trip(s) that began the transaction
+	// (see idleClock.began).
+	sent, answered time.Time
 }
 
 // begin acquires a connection within deadline and begins a transaction on
@@ -764,7 +767,9 @@ func (h *HTTP) begin(ctx context.Context, deadline time.Time, claim *db.ClaimKey
 			s.LockTimeout = max(time.Until(deadline), time.Millisecond)
 		}
 		bctx, cancel := answerBound(ctx, deadline)
+		sent := time.Now()
 		tx, c, err := h.beginOn(bctx, conn.Conn(), s, claim)
+		c.sent, c.answered = sent, time.Now()
 		err = unanswered(ctx, bctx, doing, err)
 		cancel()
 		if err == nil {
@@ -874,34 +879,52 @@ func connCheckRefused(err error) bool {
 // run calls the function in tx, stores its response on the claimed key (if
 // any) and commits. fresh: the claim saw no row of the key and wrote none
 // (see StoreNewKey).
-func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
+func (h *HTTP) run(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, fresh bool, began claimResult, call func(context.Context, pgx.Tx) (any, error)) (*response, error) {
 	header := http.Header{}
 	ctx = &opCtx{Context: ctx, header: header, principal: in.principal, key: in.key}
 	called := time.Now()
 	ftx := clockTx(tx, called)
+	clock := ftx.clock
+	if !began.sent.IsZero() {
+		clock.began(began.sent, began.answered)
+	}
 	result, err := call(ctx, ftx)
 	returned := time.Now()
-	idle := ftx.clock.idle(returned) // the function's longest idle stretch, monotonic
+	idle := clock.idle(returned) // the function's longest idle stretch, monotonic
 	if err != nil {
 		cerr := classifyFunctionError(ctx, tx, err)
 		if errors.Is(cerr, errStorage) {
 			// A closed connection: the function's own context may have
-			// closed it (ownCtxCause), decided in functionCulprit.
-			return nil, suspect(cerr, idle, 0, ownCtxCause(ctx, tx, ftx.clock, err), ftx.clock.ran(returned.Sub(called)))
+			// closed it (ownCtxCause), or its transaction's lowered idle
+			// timeout (idleWindow), decided in functionCulprit.
+			return nil, withWindow(suspect(cerr, idle, 0, ownCtxCause(ctx, tx, clock, err), clock.ran(returned.Sub(called))), handlerWindow(clock, returned))
 		}
 		return nil, suspectIdle(cerr, idle, 0)
 	}
-	if cause := ownCtxCause(ctx, tx, ftx.clock, nil); cause != nil {
+	if cause := ownCtxCause(ctx, tx, clock, nil); cause != nil {
 		// Returned success on a connection its own context closed: the
 		// COMMIT would be sent nowhere, and its failure answered "Outcome
 		// unknown" although nothing was sent.
-		return nil, suspect(storageErr(ctx, "function's transaction", errConnClosedUnderFunction), idle, 0, cause, ftx.clock.ran(returned.Sub(called)))
+		return nil, suspect(storageErr(ctx, "function's transaction", errConnClosedUnderFunction), idle, 0, cause, clock.ran(returned.Sub(called)))
 	}
+	if tx.Conn().IsClosed() {
+		// Returned success on a closed connection: nothing can commit, and
+		// nothing was sent ("Outcome unknown" was false). Judged as the
+		// call that closed it, whose error the function swallowed (a
+		// 25P03 of its own idling is its failure: a 500), else a 503.
+		if end := clock.ended(); end != nil {
+			cerr := storageErr(ctx, "function's transaction", fmt.Errorf("%w: %w", errSwallowedConnEnd, end.err))
+			return nil, withWindow(suspectIdle(cerr, idle, 0), end.window)
+		}
+		return nil, storageErr(ctx, "function's transaction", errConnClosedUnderFunction)
+	}
+	commitAt := time.Now()
 	out, err := h.commit(ctx, ep, in, tx, fresh, result, header)
 	if err != nil {
 		// The runtime's time since the function returned counts up to the
 		// COMMIT's answer (see idleCulprit).
-		return nil, suspectIdle(err, idle, time.Since(returned))
+		failed := time.Now()
+		return nil, withWindow(suspectIdle(err, idle, failed.Sub(returned)), clock.windowAt(returned, commitAt, failed))
 	}
 	return out, nil
 }
@@ -1092,6 +1115,24 @@ func (h *HTTP) functionCulprit(ctx context.Context, err error) error {
 		if ie := idleCulprit(s.err, s.idle, s.after, idleTimeout(ctx, h.store.pool, h.idle, idleReadBound)); ie != nil {
 			return &Error{Status: http.StatusInternalServerError, Title: "Transaction idle too long", Err: fmt.Errorf("function: %w", ie),
 				Detail: "the function kept its database transaction idle longer than the database allows (idle_in_transaction_session_timeout); the database ended it and nothing was done"}
+		}
+	}
+	if s.window != nil {
+		// The function's transaction lowered its idle timeout and the
+		// function idled most of the window (see idleWindow): its doing.
+		// Anything less clear stays a 503: the client's retry is the
+		// bound here.
+		timeout, known := idleTimeoutKnown(ctx, h.store.pool, h.idle, idleReadBound)
+		if known && s.window.verdict(timeout) == windowHandler && dbAnswers(ctx, h.store.pool, idleReadBound, s.window.handler) == answers {
+			var pgErr *pgconn.PgError
+			if errors.As(s.err, &pgErr) {
+				return &Error{Status: http.StatusInternalServerError, Title: "Transaction idle too long",
+					Err:    fmt.Errorf("function: %w", &loweredIdleError{window: *s.window, timeout: timeout, swallowed: errors.Is(s.err, errSwallowedConnEnd), err: pgErr}),
+					Detail: "the function lowered idle_in_transaction_session_timeout in its database transaction and kept it idle longer than that; the database ended it and nothing was done"}
+			}
+		}
+		if ctx.Err() != nil {
+			return s.err
 		}
 	}
 	if s.ownCtx == nil {

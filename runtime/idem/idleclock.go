@@ -43,6 +43,24 @@ type idleClock struct {
 	ctxErr  bool          // a call failed with a context's error
 	ctxRan  time.Duration // the longest busy stretch that ended in a context's error
 	conn    *pgx.Conn     // the transaction's connection
+
+	// For idleWindow: the start of the busy stretch before the current
+	// one (the runtime's BEGIN round trip before the handler's first
+	// call), the idle stretch between them, the runtime's own time before
+	// the handler was called (answered to the call), whether the handler
+	// made a call yet, and the first call that left the connection closed.
+	prevBusy time.Time
+	lastIdle time.Duration
+	answered time.Time
+	called   bool
+	end      *connEnd
+}
+
+// connEnd is the first of the handler's calls that left its connection
+// closed: its error, and the idle window it ended.
+type connEnd struct {
+	err    error
+	window idleWindow
 }
 
 // clockTx returns tx wrapped, with a new clock whose first idle stretch
@@ -51,16 +69,27 @@ func clockTx(tx pgx.Tx, start time.Time) *clockedTx {
 	b := &struct {
 		t clockedTx
 		c idleClock
-	}{c: idleClock{since: start, conn: tx.Conn()}}
+	}{c: idleClock{since: start, conn: tx.Conn(), busy: start, answered: start}}
 	b.t = clockedTx{Tx: tx, clock: &b.c}
 	return &b.t
+}
+
+// began notes the runtime's round trip that began the transaction: sent
+// at sent, answered at answered (before the clock's start). Without it the
+// window of the handler's first call starts when the handler was called.
+func (c *idleClock) began(sent, answered time.Time) {
+	c.mu.Lock()
+	c.busy, c.answered = sent, answered
+	c.mu.Unlock()
 }
 
 func (c *idleClock) enter() {
 	now := time.Now()
 	c.mu.Lock()
 	if c.calls == 0 {
-		c.longest = max(c.longest, now.Sub(c.since))
+		c.lastIdle = now.Sub(c.since)
+		c.longest = max(c.longest, c.lastIdle)
+		c.prevBusy = c.busy
 		c.busy = now
 	}
 	c.calls++
@@ -73,6 +102,7 @@ func (c *idleClock) exit() {
 	c.calls--
 	if c.calls == 0 {
 		c.since = now
+		c.called = true
 	}
 	c.mu.Unlock()
 }
@@ -86,6 +116,9 @@ func (c *idleClock) failed(err error) {
 }
 
 func (c *idleClock) noteFailed(err error) {
+	if c.conn.IsClosed() {
+		c.noteEnd(err)
+	}
 	// Only a context's error that left the connection closed: pgconn
 	// refuses a statement whose context is done already without sending it
 	// and keeps the connection, and a handler may go on from there (an
@@ -99,6 +132,46 @@ func (c *idleClock) noteFailed(err error) {
 	c.ctxErr = true
 	c.ctxRan = max(c.ctxRan, now.Sub(c.busy))
 	c.mu.Unlock()
+}
+
+// noteEnd notes err, the failure of a call that left the connection
+// closed, when it is the first: the window it ended runs from the start of
+// the busy stretch before this one to now.
+func (c *idleClock) noteEnd(err error) {
+	now := time.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.end == nil {
+		w := idleWindow{span: now.Sub(c.prevBusy), handler: c.lastIdle}
+		if !c.called {
+			w.runtime = c.since.Sub(c.answered) // before the handler was called
+		}
+		c.end = &connEnd{err: err, window: w}
+	}
+}
+
+// ended returns the first call that left the connection closed, or nil.
+func (c *idleClock) ended() *connEnd {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.end
+}
+
+// windowAt returns the idle window that a round trip of the runtime's
+// after the handler returned (at returned) ended: sent at sent, its
+// failure read at failed. It runs from the start of the handler's last
+// call (or of the runtime's BEGIN, when it made none).
+func (c *idleClock) windowAt(returned, sent, failed time.Time) idleWindow {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	w := idleWindow{span: failed.Sub(c.busy), runtime: sent.Sub(returned)}
+	if c.calls == 0 {
+		w.handler = returned.Sub(c.since)
+	}
+	if !c.called {
+		w.runtime += c.since.Sub(c.answered)
+	}
+	return w
 }
 
 // ctxEnded reports whether a call failed with a context's error.

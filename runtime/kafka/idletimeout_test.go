@@ -1,6 +1,7 @@
 package kafka_test
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"strings"
@@ -36,7 +37,36 @@ func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
 		// that answered only slowly (making a connection slower than
 		// the deadline on a loaded machine), at most 2 per attempt.
 		slow bool
+		// idle: the consumer's IdleInTransactionTimeout, when not the
+		// 100ms of the others.
+		idle time.Duration
 	}{
+		// The handler lowers the timeout in its own transaction below
+		// the runtime's (10s) and idles past it: waited out as an outage
+		// forever, the partition stuck, before the idle window's rule.
+		"idle past a timeout the handler lowered": {
+			fn: func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `SET LOCAL idle_in_transaction_session_timeout = '50ms'`); err != nil {
+					return err
+				}
+				time.Sleep(300 * time.Millisecond)
+				return nil
+			},
+			want: "lowered it",
+			idle: 10 * time.Second,
+		},
+		"25P03 swallowed": {
+			fn: func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `SET LOCAL idle_in_transaction_session_timeout = '50ms'`); err != nil {
+					return err
+				}
+				time.Sleep(300 * time.Millisecond)
+				_, _ = tx.Exec(ctx, `SELECT 1`) //idemvet:ignore swallowcancel the mistake this test makes on purpose
+				return nil
+			},
+			want: "lowered it",
+			idle: 10 * time.Second,
+		},
 		"idle past idle_in_transaction_session_timeout": {
 			fn:   func(context.Context, pgx.Tx) error { time.Sleep(400 * time.Millisecond); return nil },
 			want: "idle_in_transaction_session_timeout (100ms)",
@@ -95,7 +125,7 @@ func TestHandlerTimeoutDeadLettersAndPartitionsFlow(t *testing.T) {
 					Brokers: addrs, BatchSize: batch, Handlers: []idem.EventHandler{orderConsumer("orders", handler)},
 					Retry:                    idem.RetryPolicy{MaxAttempts: 3, Initial: time.Millisecond, Max: 5 * time.Millisecond},
 					Outage:                   idem.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
-					IdleInTransactionTimeout: 100 * time.Millisecond,
+					IdleInTransactionTimeout: cmp.Or(c.idle, 100*time.Millisecond),
 				}, nil)
 				produce(t, prod, on(0, order{EventID: "culprit", Amount: 1}))
 				waitBounded(t, 20*time.Second, "the culprit's first attempt", func() bool { return calls.Load() >= 1 })
