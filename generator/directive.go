@@ -278,7 +278,18 @@ func validFuncName(v string) error {
 	return nil
 }
 
+// validRoute checks a route as http.ServeMux would, and first for what
+// ServeMux lets through but generated code cannot hold: the route is also
+// written into the wrapper's doc comment, where a NUL or invalid UTF-8 does
+// not gofmt and a line break ends the comment. No request path matches such
+// a route anyway.
 func validRoute(v string) error {
+	if !utf8.ValidString(v) {
+		return fmt.Errorf("%q: a route must be valid UTF-8", v)
+	}
+	if strings.IndexFunc(v, unicode.IsControl) >= 0 {
+		return fmt.Errorf("%q: a route holds no control characters", v)
+	}
 	method, path, hasMethod := strings.Cut(v, " ")
 	if !hasMethod {
 		method, path = "", v
