@@ -7,6 +7,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"golang.org/x/tools/go/packages"
 )
 
 // Error is one problem in the user's code, at a position.
@@ -45,6 +47,25 @@ type errorSink struct {
 
 func (s *errorSink) add(pos token.Position, format string, args ...any) {
 	s.errs = append(s.errs, &Error{Pos: s.rel(pos), Msg: fmt.Sprintf(format, args...)})
+}
+
+// addLoadErrors adds a package's load and type errors. The type checker
+// reports the other half of an error ("A redeclared" and "\tother
+// declaration of A") as a second error starting with a tab; sorted by
+// position on its own, it came first, a line that explains nothing, before
+// the error it belongs to. It is kept under that error, as go build prints
+// it.
+func (s *errorSink) addLoadErrors(list []packages.Error) {
+	var last *Error
+	for _, e := range list {
+		pos := s.rel(parsePos(e.Pos))
+		if rest, ok := strings.CutPrefix(e.Msg, "\t"); ok && last != nil {
+			last.Msg += "\n\t" + (&Error{Pos: pos, Msg: rest}).Error()
+			continue
+		}
+		last = &Error{Pos: pos, Msg: e.Msg}
+		s.errs = append(s.errs, last)
+	}
 }
 
 func (s *errorSink) rel(pos token.Position) token.Position {

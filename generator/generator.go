@@ -179,9 +179,7 @@ func Generate(ctx context.Context, cfg Config, patterns ...string) ([]File, erro
 		}
 	}
 	for _, path := range withErrs {
-		for _, e := range loadErrs[path] {
-			errs.add(parsePos(e.Pos), "%s", e.Msg)
-		}
+		errs.addLoadErrors(loadErrs[path])
 	}
 	if err := errs.result(); err != nil {
 		return nil, err

@@ -461,7 +461,7 @@ func checkType(pkg *packages.Package, spec *ast.TypeSpec, d *Directive, g *group
 		errs.add(pos, "//idem:outbox cannot publish %s: it %s", obj.Name(), why)
 		return
 	}
-	if hasInvalid(named.Underlying()) {
+	if hasInvalid(named.Underlying()) || typeErrorWithin(pkg, spec.Pos(), spec.End()) {
 		return // a type error, reported on its own
 	}
 	t := &outboxType{pos: pos, group: g, typ: named}
@@ -532,9 +532,12 @@ func checkFunc(pkg *packages.Package, decl *ast.FuncDecl, d *Directive, g *group
 	}
 	pos := pkg.Fset.Position(decl.Name.Pos())
 	sig := obj.Type().(*types.Signature)
-	if hasInvalid(sig) {
+	if hasInvalid(sig) || typeErrorWithin(pkg, decl.Pos(), decl.Type.End()) {
 		// A type error in the signature is reported by itself; a shape
-		// error about "invalid type" would only hide it.
+		// error about "invalid type" would only hide it. Not every such
+		// error leaves an invalid type (map[F]int with a key type that is
+		// not comparable is still a map): wrapped, the function repeated
+		// the error in the generated file the recheck type-checks.
 		return
 	}
 	qual := func(p *types.Package) string {
@@ -850,6 +853,17 @@ func muxWith(pattern string) *http.ServeMux {
 
 // hasInvalid reports whether t mentions an invalid type (the result of a
 // type error).
+// typeErrorWithin reports whether the type checker reported an error
+// between from and to, such as in the signature of a function.
+func typeErrorWithin(pkg *packages.Package, from, to token.Pos) bool {
+	for _, te := range pkg.TypeErrors {
+		if te.Fset == pkg.Fset && te.Pos >= from && te.Pos < to {
+			return true
+		}
+	}
+	return false
+}
+
 func hasInvalid(t types.Type) bool {
 	switch t := t.(type) {
 	case *types.Basic:
