@@ -137,45 +137,75 @@ packages default to "."; GOFLAGS and the go command's environment apply.
 
 // write brings the tree in line with files: writes what changed (leaving
 // unchanged files untouched, so their mtime stays) and deletes orphans.
+//
+// All or nothing, as far as the file system allows: every changed file is
+// first written in full to a temporary file beside it, and only when all of
+// them are does any rename or deletion happen. A file that cannot be written
+// (a read-only or missing directory, a full disk) so leaves the tree as it
+// was, rather than regenerated up to that package and stale after it.
 func write(files []generator.File) error {
+	type staged struct{ tmp, path string }
+	var renames []staged
+	var removes []string
+	cleanup := func() {
+		for _, s := range renames {
+			os.Remove(s.tmp)
+		}
+	}
 	for _, f := range files {
 		old, err := os.ReadFile(f.Path)
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			cleanup()
 			return err
 		}
 		switch {
 		case f.Content == nil:
-			if err := os.Remove(f.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return err
-			}
+			removes = append(removes, f.Path)
 		case err == nil && sameContent(old, f.Content):
 		default:
-			// Write to a temporary file and rename, so an interrupted run
-			// never leaves a half-written file behind.
-			tmp, err := os.CreateTemp(filepath.Dir(f.Path), ".idem_gen-*.tmp")
+			tmp, err := writeTemp(f)
 			if err != nil {
-				return err
+				cleanup()
+				return fmt.Errorf("write %s: %w", f.Path, err)
 			}
-			if _, err := tmp.Write(f.Content); err != nil {
-				tmp.Close()
-				os.Remove(tmp.Name())
-				return err
-			}
-			if err := tmp.Close(); err != nil {
-				os.Remove(tmp.Name())
-				return err
-			}
-			if err := os.Chmod(tmp.Name(), 0o644); err != nil {
-				os.Remove(tmp.Name())
-				return err
-			}
-			if err := os.Rename(tmp.Name(), f.Path); err != nil {
-				os.Remove(tmp.Name())
-				return err
-			}
+			renames = append(renames, staged{tmp, f.Path})
+		}
+	}
+	for i, s := range renames {
+		if err := os.Rename(s.tmp, s.path); err != nil {
+			renames = renames[i:]
+			cleanup()
+			return fmt.Errorf("write %s: %w", s.path, err)
+		}
+	}
+	for _, path := range removes {
+		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("delete orphaned %s: %w", path, err)
 		}
 	}
 	return nil
+}
+
+// writeTemp writes f's content to a new temporary file in f's directory
+// and returns its name, so that a rename puts it in place whole: an
+// interrupted run never leaves a half-written file behind.
+func writeTemp(f generator.File) (string, error) {
+	tmp, err := os.CreateTemp(filepath.Dir(f.Path), ".idem_gen-*.tmp")
+	if err != nil {
+		return "", err
+	}
+	_, err = tmp.Write(f.Content)
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Chmod(tmp.Name(), 0o644)
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return "", err
+	}
+	return tmp.Name(), nil
 }
 
 // compare reports how the tree differs from files: a changed, missing or
