@@ -416,10 +416,29 @@ func scanFile(pkg *packages.Package, file *ast.File, g *group, m *pkgModel, errs
 		}
 	}
 
+	// A directive on an interface's method is on the line above a
+	// declaration, yet there is nothing to wrap: say so, rather than that
+	// it is not attached.
+	onInterface := map[token.Pos]bool{}
+	ast.Inspect(file, func(n ast.Node) bool {
+		if it, ok := n.(*ast.InterfaceType); ok && it.Methods != nil {
+			for _, f := range it.Methods.List {
+				if f.Doc != nil {
+					for _, c := range f.Doc.List {
+						onInterface[c.Slash] = true
+					}
+				}
+			}
+		}
+		return true
+	})
+
 	for _, cg := range file.Comments {
 		for _, c := range cg.List {
 			switch {
 			case attached[c.Slash]:
+			case onInterface[c.Slash] && strings.HasPrefix(c.Text, directivePrefix):
+				errs.add(pkg.Fset.Position(c.Slash), "%s annotates a function or method with a body, not an interface method: put it on the method of each type that implements it", firstWord(c.Text))
 			case strings.HasPrefix(c.Text, directivePrefix):
 				errs.add(pkg.Fset.Position(c.Slash), "%s is not attached to a declaration: put it on the line directly above the func or type (no blank line)", firstWord(c.Text))
 			case strings.HasPrefix(c.Text, "// idem:"):
@@ -510,7 +529,7 @@ func stringField(st *types.Struct, local *types.Package, name string) (*fieldRef
 				return &fieldRef{name: name, typ: t, conv: convInt}, nil
 			}
 		}
-		return nil, fmt.Errorf("field %s has type %s; want a string, an integer or a fmt.Stringer", name, types.TypeString(t, types.RelativeTo(local)))
+		return nil, fmt.Errorf("field %s has type %s; want a string, an integer or a fmt.Stringer", name, types.TypeString(t, pkgNameQualifier(local)))
 	}
 	return nil, fmt.Errorf("no field %s%s (fields: %s)", name, suggest.DidYouMean(name, fields), strings.Join(fields, ", "))
 }
@@ -689,7 +708,7 @@ func checkConsume(pkg *packages.Package, w wrapped, sig *types.Signature, d *Dir
 			if dsig.Params().Len() != 1 || !types.Identical(dsig.Params().At(0).Type(), types.NewSlice(types.Typ[types.Byte])) ||
 				dsig.Results().Len() != 2 || !types.Identical(dsig.Results().At(0).Type(), f.event) ||
 				!types.Identical(dsig.Results().At(1).Type(), types.Universe.Lookup("error").Type()) || dsig.TypeParams().Len() > 0 {
-				errs.add(o.Pos, "//idem:consume decode=%s: have %s, want %s", o.Value, signatureString(dsig, types.RelativeTo(pkg.Types)), want)
+				errs.add(o.Pos, "//idem:consume decode=%s: have %s, want %s", o.Value, signatureString(dsig, pkgNameQualifier(pkg.Types)), want)
 				return
 			}
 			f.decode = o.Value
@@ -1002,6 +1021,18 @@ func jsonUnfriendly(t types.Type, local *types.Package) string {
 		}
 	}
 	return ""
+}
+
+// pkgNameQualifier writes types as the user's code does: a type of the
+// package itself unqualified, others by package name (pgx.Tx, not
+// github.com/jackc/pgx/v5.Tx).
+func pkgNameQualifier(local *types.Package) types.Qualifier {
+	return func(p *types.Package) string {
+		if p == local {
+			return ""
+		}
+		return p.Name()
+	}
 }
 
 func signatureString(sig *types.Signature, qual types.Qualifier) string {
