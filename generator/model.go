@@ -687,6 +687,12 @@ func checkConsume(pkg *packages.Package, w wrapped, sig *types.Signature, d *Dir
 			f.context = o.Value
 		case "id":
 			st, ok := f.event.Underlying().(*types.Struct)
+			if p, isPtr := f.event.Underlying().(*types.Pointer); !ok && isPtr {
+				if _, ok := p.Elem().Underlying().(*types.Struct); ok {
+					errs.add(o.Pos, "//idem:consume id=%s: the event type %s is a pointer, and a record whose value is JSON null decodes to nil, which has no %s; take %s by value, or drop id= to read the %s record header", o.Value, evName, o.Value, typeString(p.Elem(), pkg.PkgPath), idem.EventIDHeader)
+					return
+				}
+			}
 			if !ok {
 				errs.add(o.Pos, "//idem:consume id=%s: the event type %s is not a struct; drop id= to read the %s record header", o.Value, evName, idem.EventIDHeader)
 				return
