@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -100,6 +101,45 @@ func (e *env) effects() int64 {
 
 func (e *env) keys() int64 {
 	return pgtest.Count(e.t, e.pool, `SELECT count(*) FROM idem_keys`)
+}
+
+// captureLogs sends the engine's log (e.cfg.Logger) to the returned buffer.
+func (e *env) captureLogs() *lockedBuffer {
+	logs := &lockedBuffer{}
+	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	return logs
+}
+
+// hookUntilFixed makes fn the function's hook until fix is called; from
+// then on the hook does nothing, so a retry after the failure runs clean.
+func (e *env) hookUntilFixed(fn func(ctx context.Context, tx pgx.Tx) error) (fix func()) {
+	var broken atomic.Bool
+	broken.Store(true)
+	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
+		if broken.Load() {
+			return fn(ctx, tx)
+		}
+		return nil
+	}
+	return func() { broken.Store(false) }
+}
+
+// wantRetryRunsAgain checks that a failed request with key left nothing
+// (no effect, no key) and, after fix, that the retry runs the function a
+// second time: 201 from a run, not a replay, one effect.
+func wantRetryRunsAgain(t *testing.T, e *env, h http.Handler, key string, fix func()) {
+	t.Helper()
+	if e.effects() != 0 || e.keys() != 0 {
+		t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
+	}
+	fix()
+	r := do(h, key, body1)
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
+		t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
+	}
+	if e.calls.Load() != 2 || e.effects() != 1 {
+		t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
+	}
 }
 
 type result struct {

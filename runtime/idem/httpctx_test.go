@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -78,6 +77,15 @@ func callUpstream(ctx context.Context, url string, cancelled bool) error {
 	return nil
 }
 
+// newEnvProxied is newEnv on a pool (configured by mod, if not nil) whose
+// connections pass through the returned fault proxy.
+func newEnvProxied(t *testing.T, mod func(*pgxpool.Config)) (*env, *faultproxy.Proxy) {
+	t.Helper()
+	url := pgtest.Schema(t)
+	px := faultproxy.New(t, faultproxy.PostgresTarget(url))
+	return newEnvPool(t, pgtest.PoolURL(t, px.RewriteURL(url), mod)), px
+}
+
 // The function's own error wraps a context error of its own (its deadline
 // on a call to a third party, a cancel of its own), the request alive: it
 // is the function's failure, a 500 logged as one (never the cancellation's
@@ -90,15 +98,8 @@ func TestFunctionOwnContextErrorIs500(t *testing.T) {
 		for _, keyed := range []bool{true, false} {
 			t.Run(fmt.Sprintf("cancelled=%v/keyed=%v", cancelled, keyed), func(t *testing.T) {
 				e := newEnv(t)
-				logs := &lockedBuffer{}
-				e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-				call := true
-				e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
-					if call {
-						return callUpstream(ctx, upstream, cancelled)
-					}
-					return nil
-				}
+				logs := e.captureLogs()
+				fix := e.hookUntilFixed(func(ctx context.Context, _ pgx.Tx) error { return callUpstream(ctx, upstream, cancelled) })
 				h := e.handler(idem.Endpoint{KeyOptional: !keyed})
 				key := ""
 				if keyed {
@@ -113,17 +114,7 @@ func TestFunctionOwnContextErrorIs500(t *testing.T) {
 				if l := logs.String(); !strings.Contains(l, "idempotent handler failed") || !strings.Contains(l, "payment provider") {
 					t.Fatalf("log:\n%s\nwant the function's failure logged with its error", l)
 				}
-				if e.effects() != 0 || e.keys() != 0 {
-					t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
-				}
-				call = false
-				r = do(h, key, body1)
-				if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-					t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-				}
-				if e.calls.Load() != 2 || e.effects() != 1 {
-					t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
-				}
+				wantRetryRunsAgain(t, e, h, key, fix)
 			})
 		}
 	}
@@ -133,8 +124,7 @@ func TestFunctionOwnContextErrorIs500(t *testing.T) {
 // party: the cancellation's 503, as before, unlogged as a failure.
 func TestFunctionCallCancelledWithRequestIs503(t *testing.T) {
 	e := newEnv(t)
-	logs := &lockedBuffer{}
-	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	logs := e.captureLogs()
 	upstream := hangingUpstream(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -165,14 +155,10 @@ func TestFunctionCallCancelledWithRequestIs503(t *testing.T) {
 // storage unavailable, logged, with Retry-After; the function never ran,
 // and once the database answers the same key runs it.
 func TestConnectTimeoutIsStorageUnavailable(t *testing.T) {
-	url := pgtest.Schema(t)
-	px := faultproxy.New(t, faultproxy.PostgresTarget(url))
-	proxied := pgtest.PoolURL(t, px.RewriteURL(url), func(c *pgxpool.Config) { c.ConnConfig.ConnectTimeout = time.Second })
-	e := newEnvPool(t, proxied)
-	logs := &lockedBuffer{}
-	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	e, px := newEnvProxied(t, func(c *pgxpool.Config) { c.ConnConfig.ConnectTimeout = time.Second })
+	logs := e.captureLogs()
 	h := e.handler(idem.Endpoint{Wait: 10 * time.Second})
-	proxied.Reset() // the request dials a new connection, into the partition
+	e.pool.Reset() // the request dials a new connection, into the partition
 	px.Blackhole()
 	r := do(h, "k-connect", body1)
 	px.Restore()

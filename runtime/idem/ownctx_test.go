@@ -363,16 +363,8 @@ func TestFunctionOwnContextClosingConnIs500(t *testing.T) {
 
 func testFunctionOwnContextClosingConnIs500(t *testing.T, fn func(context.Context, pgx.Tx) error, keyed bool) {
 	e := newEnv(t)
-	logs := &lockedBuffer{}
-	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-	var slow atomic.Bool
-	slow.Store(true)
-	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-		if slow.Load() {
-			return fn(ctx, tx)
-		}
-		return nil
-	}
+	logs := e.captureLogs()
+	fix := e.hookUntilFixed(fn)
 	h := e.handler(idem.Endpoint{KeyOptional: !keyed})
 	key := ""
 	if keyed {
@@ -386,17 +378,7 @@ func testFunctionOwnContextClosingConnIs500(t *testing.T, fn func(context.Contex
 	if strings.Contains(logs.String(), "storage") {
 		t.Fatalf("logged as a storage failure:\n%s", logs)
 	}
-	if e.effects() != 0 || e.keys() != 0 {
-		t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
-	}
-	slow.Store(false)
-	r = do(h, key, body1)
-	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-		t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-	}
-	if e.calls.Load() != 2 || e.effects() != 1 {
-		t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
-	}
+	wantRetryRunsAgain(t, e, h, key, fix)
 }
 
 // The HTTP fault under the fault: the function's own deadline ends its

@@ -15,7 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -29,7 +28,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemgen/idemgen/internal/faultproxy"
 	"github.com/idemgen/idemgen/internal/pgtest"
 	"github.com/idemgen/idemgen/runtime/idem"
 )
@@ -115,6 +113,61 @@ func rpMustPost(t *testing.T, url, key, body string) *rpAnswer {
 	return a
 }
 
+// rpAsk posts key with body1; it returns the server's answer and how long
+// the client waited for its own.
+func rpAsk(t *testing.T, url, key string, answers <-chan rpAnswer) (rpAnswer, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	rpMustPost(t, url, key, body1)
+	took := time.Since(start)
+	return rpNext(t, answers), took
+}
+
+// rpPostGone posts key with body1 from a client that goes away 300ms after
+// leave is ready (nil: 300ms in); the client must see its request fail.
+func rpPostGone(t *testing.T, url, key string, leave <-chan struct{}) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		if leave != nil {
+			<-leave
+		}
+		time.Sleep(300 * time.Millisecond)
+		cancel()
+	}()
+	if _, err := rpPost(ctx, url, key, body1); err == nil {
+		t.Fatal("client: no error after cancelling")
+	}
+}
+
+// rpSlowCommit makes the COMMIT of a charge of 100 take a second (a
+// deferred trigger sleeping) and sets e's hook; the channel is ready once
+// the function has returned, its COMMIT about to run.
+func rpSlowCommit(t *testing.T, e *env) <-chan struct{} {
+	t.Helper()
+	pgtest.Exec(t, e.pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
+		CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+			FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION slow_commit()`)
+	returned := make(chan struct{}, 1)
+	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
+		select {
+		case returned <- struct{}{}:
+		default:
+		}
+		return nil
+	}
+	return returned
+}
+
+// rpWantNothingStored checks that no effect and no key were stored.
+func rpWantNothingStored(t *testing.T, e *env) {
+	t.Helper()
+	if e.effects() != 0 || e.keys() != 0 {
+		t.Fatalf("%d effects, %d keys", e.effects(), e.keys())
+	}
+}
+
 // rpNext is the server's next answer.
 func rpNext(t *testing.T, ch <-chan rpAnswer) rpAnswer {
 	t.Helper()
@@ -174,7 +227,7 @@ func rpRetryRunsOnce(t *testing.T, e *env, url, key string) {
 	}
 }
 
-// waitFor polls cond (bounded).
+// rpWaitFor polls cond (bounded).
 func rpWaitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
@@ -193,8 +246,7 @@ func TestRevprobClientGoneBeforeCommit(t *testing.T) {
 	t.Run("waiting for a pool connection", func(t *testing.T) {
 		pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 2 })
 		e := newEnvPool(t, pool)
-		logs := &lockedBuffer{}
-		e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+		logs := e.captureLogs()
 		url, answers := rpServer(t, e.handler(idem.Endpoint{Wait: 10 * time.Second}))
 		c1, err := pool.Acquire(context.Background())
 		if err != nil {
@@ -204,11 +256,7 @@ func TestRevprobClientGoneBeforeCommit(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		time.AfterFunc(300*time.Millisecond, cancel)
-		if _, err := rpPost(ctx, url, "k-pool", body1); err == nil {
-			t.Fatal("client: no error after cancelling")
-		}
+		rpPostGone(t, url, "k-pool", nil)
 		a := rpNext(t, answers)
 		c1.Release()
 		c2.Release()
@@ -232,11 +280,7 @@ func TestRevprobClientGoneBeforeCommit(t *testing.T) {
 		done := make(chan *rpAnswer, 1)
 		go func() { a, _ := rpPost(context.Background(), url, "k-dup", body1); done <- a }()
 		rpWaitFor(t, "the first request in the function", func() bool { return e.calls.Load() == 1 })
-		ctx, cancel := context.WithCancel(context.Background())
-		time.AfterFunc(300*time.Millisecond, cancel)
-		if _, err := rpPost(ctx, url, "k-dup", body1); err == nil {
-			t.Fatal("client: no error after cancelling")
-		}
+		rpPostGone(t, url, "k-dup", nil)
 		a := rpNext(t, answers)
 		rpWant(t, "duplicate gone while waiting", a, http.StatusServiceUnavailable, "", "request cancelled", false)
 		close(release)
@@ -272,32 +316,22 @@ func TestRevprobClientGoneBeforeCommit(t *testing.T) {
 	for name, shape := range shapes {
 		t.Run("in the function/"+name, func(t *testing.T) {
 			e := newEnv(t)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			var slow atomic.Bool
-			slow.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if !slow.Load() {
-					return nil
-				}
+			logs := e.captureLogs()
+			fix := e.hookUntilFixed(func(ctx context.Context, tx pgx.Tx) error {
 				if name == "statement on the request's context" {
 					_, err := tx.Exec(ctx, `SELECT pg_sleep(5)`)
 					return err
 				}
 				return shape(ctx)
-			}
+			})
 			url, answers := rpServer(t, e.handler(idem.Endpoint{}))
-			ctx, cancel := context.WithCancel(context.Background())
-			time.AfterFunc(300*time.Millisecond, cancel)
-			if _, err := rpPost(ctx, url, "k-fn", body1); err == nil {
-				t.Fatal("client: no error after cancelling")
-			}
+			rpPostGone(t, url, "k-fn", nil)
 			a := rpNext(t, answers)
 			rpWant(t, name, a, http.StatusServiceUnavailable, "", "request cancelled; nothing was done", false)
 			if l := logs.String(); l != "" {
 				t.Fatalf("logged:\n%s", l)
 			}
-			slow.Store(false)
+			fix()
 			rpRetryRunsOnce(t, e, url, "k-fn")
 		})
 	}
@@ -321,30 +355,10 @@ func TestRevprobClientGoneDuringCommit(t *testing.T) {
 					}
 				})
 				e := newEnvPool(t, pool)
-				logs := &lockedBuffer{}
-				e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-				pgtest.Exec(t, e.pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-					BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
-					CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
-						FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION slow_commit()`)
-				returned := make(chan struct{}, 1)
-				e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
-					select {
-					case returned <- struct{}{}:
-					default:
-					}
-					return nil
-				}
+				logs := e.captureLogs()
+				returned := rpSlowCommit(t, e)
 				url, answers := rpServer(t, e.handler(idem.Endpoint{KeyOptional: key == ""}))
-				ctx, cancel := context.WithCancel(context.Background())
-				go func() {
-					<-returned
-					time.Sleep(300 * time.Millisecond) // within the trigger's second
-					cancel()
-				}()
-				if _, err := rpPost(ctx, url, key, body1); err == nil {
-					t.Fatal("client: no error after cancelling")
-				}
+				rpPostGone(t, url, key, returned) // within the trigger's second
 				a := rpNext(t, answers)
 				switch {
 				case cancelRequest:
@@ -382,19 +396,14 @@ func TestRevprobShutdownPastDrain(t *testing.T) {
 	for _, honours := range []bool{true, false} {
 		t.Run(fmt.Sprintf("honours=%v", honours), func(t *testing.T) {
 			e := newEnv(t)
-			var slow atomic.Bool
-			slow.Store(true)
-			e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
-				if !slow.Load() {
-					return nil
-				}
+			fix := e.hookUntilFixed(func(ctx context.Context, _ pgx.Tx) error {
 				if honours {
 					<-ctx.Done()
 					return fmt.Errorf("provider: %w", ctx.Err())
 				}
 				time.Sleep(time.Second)
 				return nil
-			}
+			})
 			tapped, answers := rpTap(e.handler(idem.Endpoint{}))
 			ln, err := net.Listen("tcp", "127.0.0.1:0")
 			if err != nil {
@@ -414,10 +423,8 @@ func TestRevprobShutdownPastDrain(t *testing.T) {
 				t.Fatalf("ServeHTTP: %v", err)
 			}
 			rpWant(t, "shutdown past the drain", a, http.StatusServiceUnavailable, "", "request cancelled; nothing was done", false)
-			if e.effects() != 0 || e.keys() != 0 {
-				t.Fatalf("%d effects, %d keys after shutdown", e.effects(), e.keys())
-			}
-			slow.Store(false)
+			rpWantNothingStored(t, e)
+			fix()
 			url2, _ := rpServer(t, e.handler(idem.Endpoint{}))
 			rpRetryRunsOnce(t, e, url2, "k-shut")
 		})
@@ -461,16 +468,8 @@ func TestRevprobOwnContextErrorShapes(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			e := newEnv(t)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			var fail atomic.Bool
-			fail.Store(true)
-			e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
-				if fail.Load() {
-					return c.err()
-				}
-				return nil
-			}
+			logs := e.captureLogs()
+			fix := e.hookUntilFixed(func(context.Context, pgx.Tx) error { return c.err() })
 			url, answers := rpServer(t, e.handler(idem.Endpoint{}))
 			got := rpMustPost(t, url, "k-own", body1)
 			srv := rpNext(t, answers)
@@ -481,10 +480,8 @@ func TestRevprobOwnContextErrorShapes(t *testing.T) {
 			if c.status >= 500 && !strings.Contains(logs.String(), "idempotent handler failed") {
 				t.Fatalf("not logged as the function's failure:\n%s", logs)
 			}
-			if e.effects() != 0 || e.keys() != 0 {
-				t.Fatalf("%d effects, %d keys", e.effects(), e.keys())
-			}
-			fail.Store(false)
+			rpWantNothingStored(t, e)
+			fix()
 			rpRetryRunsOnce(t, e, url, "k-own")
 		})
 	}
@@ -497,12 +494,7 @@ func TestRevprobOwnDeadlineEndsStatement(t *testing.T) {
 	for _, ret := range []string{"pgx error", "own ctx.Err()", "joined with a plain error"} {
 		t.Run(ret, func(t *testing.T) {
 			e := newEnv(t)
-			var slow atomic.Bool
-			slow.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if !slow.Load() {
-					return nil
-				}
+			fix := e.hookUntilFixed(func(ctx context.Context, tx pgx.Tx) error {
 				qctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 				defer cancel()
 				_, err := tx.Exec(qctx, `SELECT pg_sleep(5)`)
@@ -513,12 +505,11 @@ func TestRevprobOwnDeadlineEndsStatement(t *testing.T) {
 					return errors.Join(errors.New("report"), err)
 				}
 				return err
-			}
+			})
 			url, answers := rpServer(t, e.handler(idem.Endpoint{}))
-			rpMustPost(t, url, "k-stmt", body1)
-			a := rpNext(t, answers)
+			a, _ := rpAsk(t, url, "k-stmt", answers)
 			rpWant(t, ret, a, http.StatusInternalServerError, "Statement ended by the function's own context", "not the request's", false)
-			slow.Store(false)
+			fix()
 			rpRetryRunsOnce(t, e, url, "k-stmt")
 		})
 	}
@@ -531,19 +522,12 @@ func TestRevprobOwnDeadlineEndsStatement(t *testing.T) {
 func TestRevprobBlackholedConnectTimeout(t *testing.T) {
 	for _, ct := range []time.Duration{0, 500 * time.Millisecond, 5 * time.Second} {
 		t.Run(fmt.Sprintf("connect_timeout=%v", ct), func(t *testing.T) {
-			url := pgtest.Schema(t)
-			px := faultproxy.New(t, faultproxy.PostgresTarget(url))
-			proxied := pgtest.PoolURL(t, px.RewriteURL(url), func(c *pgxpool.Config) { c.ConnConfig.ConnectTimeout = ct })
-			e := newEnvPool(t, proxied)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+			e, px := newEnvProxied(t, func(c *pgxpool.Config) { c.ConnConfig.ConnectTimeout = ct })
+			logs := e.captureLogs()
 			hurl, answers := rpServer(t, e.handler(idem.Endpoint{Wait: 2 * time.Second}))
-			proxied.Reset()
+			e.pool.Reset()
 			px.Blackhole()
-			start := time.Now()
-			rpMustPost(t, hurl, "k-bh", body1)
-			took := time.Since(start)
-			a := rpNext(t, answers)
+			a, took := rpAsk(t, hurl, "k-bh", answers)
 			px.Restore()
 			if ct > 0 && ct < 2*time.Second {
 				rpWant(t, "connect timeout", a, http.StatusServiceUnavailable, "", "storage unavailable; nothing was done, retry later", true)
@@ -608,13 +592,11 @@ func TestRevprobPoolHookTimeouts(t *testing.T) {
 			var broken atomic.Bool
 			pool := pgtest.PoolConfig(t, func(c *pgxpool.Config) { h.cfg(c, &broken) })
 			e := newEnvPool(t, pool)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+			logs := e.captureLogs()
 			url, answers := rpServer(t, e.handler(idem.Endpoint{Wait: time.Second}))
 			pool.Reset()
 			broken.Store(true)
-			rpMustPost(t, url, "k-hook", body1)
-			a := rpNext(t, answers)
+			a, _ := rpAsk(t, url, "k-hook", answers)
 			broken.Store(false)
 			rpWant(t, name, a, http.StatusServiceUnavailable, h.title, h.detail, true)
 			if h.storageLogged != strings.Contains(logs.String(), "idempotency storage failed") {
@@ -643,30 +625,21 @@ func TestRevprobOwnDeadlineCancelRequestWatcher(t *testing.T) {
 		}
 	})
 	e := newEnvPool(t, pool)
-	logs := &lockedBuffer{}
-	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-	var slow atomic.Bool
-	slow.Store(true)
-	e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-		if !slow.Load() {
-			return nil
-		}
+	logs := e.captureLogs()
+	fix := e.hookUntilFixed(func(ctx context.Context, tx pgx.Tx) error {
 		qctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 		defer cancel()
 		_, err := tx.Exec(qctx, `SELECT pg_sleep(5)`)
 		return fmt.Errorf("slow query: %w", err)
-	}
+	})
 	url, answers := rpServer(t, e.handler(idem.Endpoint{}))
-	rpMustPost(t, url, "k-cr", body1)
-	a := rpNext(t, answers)
+	a, _ := rpAsk(t, url, "k-cr", answers)
 	rpWant(t, "own deadline, cancel request", a, http.StatusInternalServerError, "Statement cancelled", "of the function's own", false)
 	if !strings.Contains(logs.String(), "idempotent handler failed") {
 		t.Fatalf("log:\n%s", logs)
 	}
-	if e.effects() != 0 || e.keys() != 0 {
-		t.Fatalf("%d effects, %d keys", e.effects(), e.keys())
-	}
-	slow.Store(false)
+	rpWantNothingStored(t, e)
+	fix()
 	rpRetryRunsOnce(t, e, url, "k-cr")
 }
 
@@ -676,28 +649,9 @@ func TestRevprobOwnDeadlineCancelRequestWatcher(t *testing.T) {
 // never a second effect, never a 409 within the wait.
 func TestRevprobImmediateRetryAfterCommitUnknown(t *testing.T) {
 	e := newEnv(t)
-	pgtest.Exec(t, e.pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
-		CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
-			FOR EACH ROW WHEN (NEW.amount = 100) EXECUTE FUNCTION slow_commit()`)
-	returned := make(chan struct{}, 1)
-	e.hook = func(ctx context.Context, _ pgx.Tx, _ chargeReq) error {
-		select {
-		case returned <- struct{}{}:
-		default:
-		}
-		return nil
-	}
+	returned := rpSlowCommit(t, e)
 	url, answers := rpServer(t, e.handler(idem.Endpoint{}))
-	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		<-returned
-		time.Sleep(300 * time.Millisecond)
-		cancel()
-	}()
-	if _, err := rpPost(ctx, url, "k-now", body1); err == nil {
-		t.Fatal("client: no error after cancelling")
-	}
+	rpPostGone(t, url, "k-now", returned)
 	a := rpNext(t, answers)
 	rpWant(t, "gone during COMMIT", a, http.StatusServiceUnavailable, "Outcome unknown", "retry with the same idempotency key", true)
 	r := rpMustPost(t, url, "k-now", body1)
@@ -715,19 +669,12 @@ func TestRevprobImmediateRetryAfterCommitUnknown(t *testing.T) {
 // "storage unavailable" at once, logged, with Retry-After; never "Database
 // busy" nor "request cancelled".
 func TestRevprobDatabaseDownIsStorageUnavailable(t *testing.T) {
-	url := pgtest.Schema(t)
-	px := faultproxy.New(t, faultproxy.PostgresTarget(url))
-	proxied := pgtest.PoolURL(t, px.RewriteURL(url), nil)
-	e := newEnvPool(t, proxied)
-	logs := &lockedBuffer{}
-	e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	e, px := newEnvProxied(t, nil)
+	logs := e.captureLogs()
 	hurl, answers := rpServer(t, e.handler(idem.Endpoint{Wait: 5 * time.Second}))
-	proxied.Reset()
+	e.pool.Reset()
 	px.Down()
-	start := time.Now()
-	rpMustPost(t, hurl, "k-down", body1)
-	took := time.Since(start)
-	a := rpNext(t, answers)
+	a, took := rpAsk(t, hurl, "k-down", answers)
 	px.Restore()
 	rpWant(t, "database down", a, http.StatusServiceUnavailable, "", "storage unavailable; nothing was done, retry later", true)
 	if took > 2*time.Second || !strings.Contains(logs.String(), "idempotency storage failed") || e.calls.Load() != 0 {
