@@ -219,34 +219,65 @@ func median(xs []float64) float64 {
 	return xs[m]
 }
 
+// applySpan counts the records applied and times them, from the first to
+// the last; done runs once, when the want-th is applied.
+type applySpan struct {
+	want int
+	done func()
+
+	mu          sync.Mutex
+	n           int
+	first, last time.Time
+}
+
+// applied records one more record applied, now.
+func (s *applySpan) applied() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := time.Now()
+	if s.n == 0 {
+		s.first = now
+	}
+	s.last = now
+	if s.n++; s.n == s.want {
+		s.done()
+	}
+}
+
+// count is how many records were applied.
+func (s *applySpan) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.n
+}
+
+// took is the time from the first record applied to the last.
+func (s *applySpan) took() time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.last.Sub(s.first)
+}
+
+// startAt is the client options that start a new group at start, the
+// offsets taken before the run's records were produced.
+func startAt(start map[string]map[int32]kgo.Offset) []kgo.Opt {
+	return []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
+		kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
+			return start, nil
+		})}
+}
+
 // idemConsume runs a Consumer in its own group, under a context derived
 // from parent (whose profiler labels its handler calls carry), until it has
 // done want records; it returns the time from the first to the last.
 func idemConsume(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want, batch int) time.Duration {
 	cons := idem.Consume(idem.EventSpec[order]{Topic: "bench", Context: group, EventID: func(o order) string { return o.EventID }}, applyOrder)
-	var mu sync.Mutex
-	var first, last time.Time
-	done := 0
 	finished := make(chan struct{})
-	onRecord := func(*idem.EventHandler, *idem.Record, idem.Outcome) {
-		mu.Lock()
-		defer mu.Unlock()
-		now := time.Now()
-		if done == 0 {
-			first = now
-		}
-		last = now
-		if done++; done == want {
-			close(finished)
-		}
-	}
+	span := &applySpan{want: want, done: func() { close(finished) }}
 	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{
 		Brokers: addrs, Group: group, Handlers: []idem.EventHandler{cons}, BatchSize: batch, MaxPollRecords: 1000,
-		OnRecord: onRecord,
-		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
-			kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
-				return start, nil
-			})},
+		OnRecord:   func(*idem.EventHandler, *idem.Record, idem.Outcome) { span.applied() },
+		ClientOpts: startAt(start),
 	})
 	if err != nil {
 		b.Fatal(err)
@@ -257,11 +288,11 @@ func idemConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 	select {
 	case <-finished:
 	case <-time.After(5 * time.Minute):
-		b.Fatalf("%s: %d of %d records in 5 minutes", group, done, want)
+		b.Fatalf("%s: %d of %d records in 5 minutes", group, span.count(), want)
 	}
 	cancel()
 	<-runDone
-	return last.Sub(first)
+	return span.took()
 }
 
 // bareConsume runs a bare baseline (bareconsumer.Run, or RunPerPoll when
@@ -274,30 +305,16 @@ func idemConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgxpool.Pool, group string, start map[string]map[int32]kgo.Offset, want int, perPoll bool) time.Duration {
 	ctx, cancel := context.WithTimeout(parent, 5*time.Minute)
 	defer cancel()
-	var mu sync.Mutex
-	var first, last time.Time
-	done := 0
+	span := &applySpan{want: want, done: cancel} // the stop condition: every record applied
 	cfg := bareconsumer.Config{Brokers: addrs, Group: group, Topic: "bench", MaxPollRecords: 1000,
-		Opts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()),
-			kgo.AdjustFetchOffsetsFn(func(context.Context, map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
-				return start, nil
-			})},
+		Opts: startAt(start),
 		Apply: func(ctx context.Context, r *kgo.Record) error {
 			var ev order
 			_ = json.Unmarshal(r.Value, &ev)
 			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return applyOrder(ctx, tx, ev) }); err != nil {
 				return err
 			}
-			mu.Lock()
-			defer mu.Unlock()
-			now := time.Now()
-			if done == 0 {
-				first = now
-			}
-			last = now
-			if done++; done == want {
-				cancel() // the stop condition: every record applied
-			}
+			span.applied()
 			return nil
 		}}
 	run := bareconsumer.Run
@@ -307,12 +324,10 @@ func bareConsume(parent context.Context, b *testing.B, addrs []string, pool *pgx
 	if err := run(ctx, cfg); err != nil {
 		b.Errorf("%s: %v", group, err)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if done < want {
-		b.Fatalf("%s: %d of %d records", group, done, want)
+	if n := span.count(); n < want {
+		b.Fatalf("%s: %d of %d records", group, n, want)
 	}
-	return last.Sub(first)
+	return span.took()
 }
 
 // BenchmarkRelaySideBySide publishes the same outbox events with

@@ -3,7 +3,6 @@ package kafka_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -46,24 +45,11 @@ func benchSkewed(b *testing.B, batch int) {
 		recs = append(recs, r)
 	}
 	produce(b, cl, recs...)
-	var mu sync.Mutex
-	var first, last time.Time
-	done := 0
 	finished := make(chan struct{})
+	span := &applySpan{want: records, done: func() { close(finished) }}
 	c, err := kafka.NewConsumer(idem.NewStore(pool), kafka.ConsumerConfig{Brokers: addrs, Group: "skew", BatchSize: batch,
-		Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)},
-		OnRecord: func(*idem.EventHandler, *idem.Record, idem.Outcome) {
-			mu.Lock()
-			defer mu.Unlock()
-			now := time.Now()
-			if done == 0 {
-				first = now
-			}
-			last = now
-			if done++; done == records {
-				close(finished)
-			}
-		},
+		Handlers:   []idem.EventHandler{orderConsumer("orders", applyOrder)},
+		OnRecord:   func(*idem.EventHandler, *idem.Record, idem.Outcome) { span.applied() },
 		ClientOpts: []kgo.Opt{kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())}})
 	if err != nil {
 		b.Fatal(err)
@@ -74,11 +60,11 @@ func benchSkewed(b *testing.B, batch int) {
 	select {
 	case <-finished:
 	case <-time.After(5 * time.Minute):
-		b.Fatalf("%d of %d records in 5 minutes", done, records)
+		b.Fatalf("%d of %d records in 5 minutes", span.count(), records)
 	}
 	cancel()
 	<-runDone
-	d := last.Sub(first)
+	d := span.took()
 	b.ReportMetric(records/d.Seconds(), "rec/s")
 	mode := "per-record"
 	if batch > 1 {
