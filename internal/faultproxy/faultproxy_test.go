@@ -201,10 +201,8 @@ func TestLatency(t *testing.T) {
 	}
 }
 
-// PreciseLatency holds each chunk for its delay (each way), and Latency
-// after it is a timer's again (Close interrupts it: TestClose).
-// TestHoldReplies: what the target sends under HoldReplies arrives after
-// ReleaseReplies, not before and not never (a blackhole drops it).
+// What the target sends under HoldReplies arrives after ReleaseReplies,
+// not before and not never (a blackhole drops it).
 func TestHoldReplies(t *testing.T) {
 	target, _ := echoServer(t)
 	p := faultproxy.New(t, target)
@@ -220,6 +218,8 @@ func TestHoldReplies(t *testing.T) {
 	mustEcho(t, c)
 }
 
+// PreciseLatency holds each chunk for its delay (each way), and Latency
+// after it is a timer's again (Close interrupts it: TestClose).
 func TestPreciseLatency(t *testing.T) {
 	target, _ := echoServer(t)
 	p := faultproxy.New(t, target)
