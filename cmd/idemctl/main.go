@@ -15,13 +15,16 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -70,7 +73,9 @@ Dead letters:
   deadletters discard --id N [--yes]
 
 Idempotency keys (scoped: name the scope, the principal and the key):
-  keys show    --scope S --principal P --key K
+  keys show    --scope S --principal P --key K [--max-bytes 4096 | --full]
+                                           the stored response (status, body, headers),
+                                           bounded as deadletters show is
   keys release --scope S --principal P --key K [--yes]
                                            delete a stored key so the next request runs
                                            anew; refused while a request holds it
@@ -222,9 +227,10 @@ type cli struct {
 	// notMarkedAdvice is what replay tells the operator when the record was
 	// produced but the dead letter not marked (admin.ErrProducedNotMarked).
 	notMarkedAdvice string
-	// maxBytes bounds each field deadletters show prints (key, value,
-	// header names and values, last_error, context, topic); 0: unbounded
-	// (--full).
+	// maxBytes bounds each field deadletters show and keys show print
+	// (key, value, body, header names and values, ...), and while it is
+	// set they list at most maxHeadersShown headers; 0: unbounded (--full).
+	// See boundFlags.
 	maxBytes int
 	host     string
 }
@@ -756,7 +762,7 @@ func replayed(d admin.DeadLetter) string {
 }
 
 func (c *cli) printDeadLetter(d admin.DeadLetter) {
-	field := func(b []byte) string { return escapeMax(b, c.maxBytes) }
+	field := c.field
 	c.printf("id:         %d\ncontext:    %s\nrecord:     %s partition %d offset %d\nattempts:   %d\nat:         %s\nlast_error: %s\nkey:        %s\nvalue:      %s\n",
 		d.ID, field([]byte(d.Context)), field([]byte(d.Topic)), d.Partition, d.Offset, d.Attempts,
 		d.CreatedAt.UTC().Format(time.RFC3339)+replayed(d), field([]byte(d.LastError)), field(d.Key), field(d.Value))
@@ -770,15 +776,8 @@ func (c *cli) printDeadLetter(d admin.DeadLetter) {
 			"then the unpaired rest; replay refuses this dead letter\n",
 			len(d.Headers)+len(d.UnpairedHeaderKeys), len(d.Headers)+len(d.UnpairedHeaderValues))
 	}
-	// Bounded in number too, unless --full: each header cut at --max-bytes
-	// still printed a line of its own, and a record of 200,000 small
-	// headers printed 5 MB.
 	total := len(d.Headers) + len(d.UnpairedHeaderKeys) + len(d.UnpairedHeaderValues)
-	shown := total
-	if c.maxBytes > 0 {
-		shown = min(total, maxHeadersShown)
-	}
-	for i := range shown {
+	c.listHeaders(total, func(i int) {
 		switch {
 		case i < len(d.Headers):
 			h := d.Headers[i]
@@ -788,42 +787,73 @@ func (c *cli) printDeadLetter(d admin.DeadLetter) {
 		default:
 			c.printf("  value without a name: %s\n", field(d.UnpairedHeaderValues[i-len(d.Headers)-len(d.UnpairedHeaderKeys)]))
 		}
+	})
+}
+
+// maxHeadersShown is how many headers deadletters show and keys show print
+// unless --full.
+const maxHeadersShown = 100
+
+// defaultMaxBytes is how many bytes of each field deadletters show and keys
+// show print by default: a poison record of megabytes flooded the terminal.
+const defaultMaxBytes = 4096
+
+// boundFlags adds --max-bytes and --full to fs, for the commands that print
+// a stored record or response (deadletters show, keys show), so that both
+// take them alike. The function it returns, called once fs is parsed,
+// checks them (usage errors) and sets c.maxBytes.
+func (c *cli) boundFlags(fs *flag.FlagSet) func() error {
+	maxBytes := fs.Int("max-bytes", defaultMaxBytes, "print at most this many bytes of each field (key, value or body, each header), noting its full size")
+	full := fs.Bool("full", false, "print every field whole, and every header")
+	return func() error {
+		seen := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { seen[f.Name] = true })
+		switch {
+		case *full && seen["max-bytes"]:
+			return usageError("choose one of --max-bytes N and --full")
+		case *full:
+			c.maxBytes = 0
+		case *maxBytes <= 0:
+			return usageError("--max-bytes must be positive (--full prints every field whole)")
+		default:
+			c.maxBytes = *maxBytes
+		}
+		return nil
+	}
+}
+
+// field is b as escapeMax prints it under --max-bytes.
+func (c *cli) field(b []byte) string { return escapeMax(b, c.maxBytes) }
+
+// listHeaders prints header(i) for the first maxHeadersShown of total
+// headers (all of them with --full), then how many it left out. Bounded in
+// number too: each header cut at --max-bytes still printed a line of its
+// own, and a record of 200,000 small headers printed 5 MB.
+func (c *cli) listHeaders(total int, header func(i int)) {
+	shown := total
+	if c.maxBytes > 0 {
+		shown = min(total, maxHeadersShown)
+	}
+	for i := range shown {
+		header(i)
 	}
 	if shown < total {
 		c.printf("  … and %d more (first %d of %d headers shown; --full shows all)\n", total-shown, shown, total)
 	}
 }
 
-// maxHeadersShown is how many headers deadletters show prints unless
-// --full.
-const maxHeadersShown = 100
-
-// defaultMaxBytes is how many bytes of each field deadletters show prints
-// by default: a poison record of megabytes flooded the terminal.
-const defaultMaxBytes = 4096
-
 func (c *cli) deadLettersShow(args []string) error {
 	fs := flag.NewFlagSet("deadletters show", flag.ContinueOnError)
 	id := idFlag(fs)
-	maxBytes := fs.Int("max-bytes", defaultMaxBytes, "print at most this many bytes of each field (key, value, each header), noting its full size")
-	full := fs.Bool("full", false, "print every field whole")
+	bound := c.boundFlags(fs)
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if err := needID(*id); err != nil {
 		return err
 	}
-	seen := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { seen[f.Name] = true })
-	switch {
-	case *full && seen["max-bytes"]:
-		return usageError("choose one of --max-bytes N and --full")
-	case *full:
-		c.maxBytes = 0
-	case *maxBytes <= 0:
-		return usageError("--max-bytes must be positive (--full prints every field whole)")
-	default:
-		c.maxBytes = *maxBytes
+	if err := bound(); err != nil {
+		return err
 	}
 	a, err := c.admin()
 	if err != nil {
@@ -1116,27 +1146,51 @@ func needKey(fs *flag.FlagSet, k *admin.KeyRef) error {
 }
 
 func (c *cli) printKey(k admin.KeyInfo) {
+	field := func(s string) string { return c.field([]byte(s)) }
 	state := "completed (replayed to retries until it expires)"
 	if k.Expired {
 		state = "expired (the next request with it runs anew)"
 	}
-	principal := escape([]byte(k.Principal))
+	principal := field(k.Principal)
 	if k.StoredPrincipal != k.Principal {
-		principal += " (stored as " + escape([]byte(k.StoredPrincipal)) + ")"
+		principal += " (stored as " + field(k.StoredPrincipal) + ")"
 	}
-	c.printf("scope:       %s\nprincipal:   %s\nkey:         %s\nstate:       %s\nstatus:      %d\ncreated:     %s\nexpires:     %s\nfingerprint: %x\nheaders:     %s\nbody:        %s\n",
-		escape([]byte(k.Scope)), principal, escape([]byte(k.Key)), state, k.StatusCode,
-		k.CreatedAt.UTC().Format(time.RFC3339), k.ExpiresAt.UTC().Format(time.RFC3339), k.Fingerprint,
-		escape(k.Headers), escape(k.Body))
+	c.printf("scope:       %s\nprincipal:   %s\nkey:         %s\nstate:       %s\nstatus:      %d\ncreated:     %s\nexpires:     %s\nfingerprint: %x\nbody:        %s\n",
+		field(k.Scope), principal, field(k.Key), state, k.StatusCode,
+		k.CreatedAt.UTC().Format(time.RFC3339), k.ExpiresAt.UTC().Format(time.RFC3339), k.Fingerprint, c.field(k.Body))
+	// The stored headers are JSON, {"Name": ["value", ...]}, decoded as the
+	// runtime decodes them to replay them, and listed one line per value,
+	// as they are sent, in name order (as net/http writes them).
+	var header map[string][]string
+	if err := json.Unmarshal(k.Headers, &header); err != nil {
+		// Only a row edited by hand has this; the runtime cannot replay it.
+		c.printf("headers:     %s (not the runtime's form, a JSON object of names to lists of values: %v)\n", c.field(k.Headers), err)
+		return
+	}
+	type line struct{ name, value string }
+	var lines []line
+	for _, name := range slices.Sorted(maps.Keys(header)) {
+		for _, v := range header[name] {
+			lines = append(lines, line{name, v})
+		}
+	}
+	c.printf("headers:     %d\n", len(lines))
+	c.listHeaders(len(lines), func(i int) {
+		c.printf("  %s: %s\n", field(lines[i].name), field(lines[i].value))
+	})
 }
 
 func (c *cli) keysShow(args []string) error {
 	fs := flag.NewFlagSet("keys show", flag.ContinueOnError)
 	k := keyFlags(fs)
+	bound := c.boundFlags(fs)
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if err := needKey(fs, k); err != nil {
+		return err
+	}
+	if err := bound(); err != nil {
 		return err
 	}
 	a, err := c.admin()

@@ -583,3 +583,98 @@ func TestShowBoundsHeaderCount(t *testing.T) {
 		t.Errorf("--full did not print every header (%d bytes)", stdout.Len())
 	}
 }
+
+// TestKeysShowBoundedByDefault: keys show printed a stored response whole,
+// body and headers' JSON, however large (a 4 MiB body: 4 MiB on the
+// terminal). It is bounded as deadletters show is: each field cut at 4096
+// bytes with its full size noted, the first 100 headers listed, --full for
+// all; the same usage errors, exit 2. And a principal stored hashed because
+// it is not valid UTF-8 or holds a NUL is printed escaped, never raw.
+func TestKeysShowBoundedByDefault(t *testing.T) {
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DATABASE_URL", dbURL)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	const size, headers = 4 << 20, 100_000
+	if _, err := conn.Exec(ctx, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
+		SELECT 'pay.v1', 'tenant-a', 'big', '\x01', 200,
+		       jsonb_object_agg('X-H' || lpad(i::text, 6, '0'), jsonb_build_array(repeat('h', 100))),
+		       convert_to(repeat('b', $1), 'UTF8'), now() + interval '1 hour'
+		FROM generate_series(1, $2) i`, size, headers); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{"keys", "show", "--scope", "pay.v1", "--principal", "tenant-a", "--key", "big"}
+	var stdout, stderr strings.Builder
+	if code := run(ctx, keys, &stdout, &stderr); code != exitOK {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if n := stdout.Len(); n > 1<<20 {
+		t.Errorf("keys show printed %d bytes for a body of %d bytes and %d headers; want the body cut at 4096 bytes and 100 headers listed", n, size, headers)
+	}
+	for _, w := range []string{
+		`body:        "` + strings.Repeat("b", 4096) + `" (first 4096 of 4194304 bytes; --full shows all)` + "\n",
+		"headers:     100000\n",
+		`  "X-H000100": "` + strings.Repeat("h", 100) + "\"\n  … and 99900 more (first 100 of 100000 headers shown; --full shows all)\n",
+	} {
+		if !strings.Contains(stdout.String(), w) {
+			t.Errorf("stdout lacks %.60q…", w)
+		}
+	}
+	if strings.Contains(stdout.String(), "X-H000101") {
+		t.Errorf("stdout lists a 101st header")
+	}
+	stdout.Reset()
+	if code := run(ctx, append(keys, "--full"), &stdout, &stderr); code != exitOK {
+		t.Fatalf("--full: exit %d: %s", code, stderr.String())
+	}
+	if out := stdout.String(); !strings.Contains(out, `body:        "`+strings.Repeat("b", size)+`"`+"\n") ||
+		!strings.Contains(out, `  "X-H100000": "`+strings.Repeat("h", 100)+`"`+"\n") || strings.Contains(out, "first 4096") || strings.Contains(out, "more (first") {
+		t.Errorf("--full did not print the body and every header whole (%d bytes of output)", stdout.Len())
+	}
+
+	// Usage errors, as deadletters show has them: exit 2, before the database.
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{append(keys, "--max-bytes", "0"), "idemctl keys show: --max-bytes must be positive (--full prints every field whole)\n"},
+		{append(keys, "--max-bytes", "-1"), "idemctl keys show: --max-bytes must be positive (--full prints every field whole)\n"},
+		{append(keys, "--full", "--max-bytes", "10"), "idemctl keys show: choose one of --max-bytes N and --full\n"},
+		{[]string{"deadletters", "show", "--id", "1", "--max-bytes", "0"}, "idemctl deadletters show: --max-bytes must be positive (--full prints every field whole)\n"},
+		{[]string{"deadletters", "show", "--id", "1", "--max-bytes", "10", "--full"}, "idemctl deadletters show: choose one of --max-bytes N and --full\n"},
+	} {
+		var stdout, stderr strings.Builder
+		if code := run(ctx, c.args, &stdout, &stderr); code != exitError || stderr.String() != c.want || stdout.Len() != 0 {
+			t.Errorf("%q: exit %d, stdout %q, stderr %q; want exit 2 and %q", c.args, code, stdout.String(), stderr.String(), c.want)
+		}
+	}
+
+	// Principals the runtime stores hashed (idem-sha256: and the hex SHA-256
+	// of the principal's bytes): not valid UTF-8, and holding a NUL.
+	for _, c := range []struct{ principal, want string }{
+		{"\xfftenant\x00", `principal:   hex:ff74656e616e7400 (stored as "idem-sha256:`},
+		{"ten\x00ant", `principal:   "ten\x00ant" (stored as "idem-sha256:`},
+	} {
+		if _, err := conn.Exec(ctx, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, body, expires_at)
+			VALUES ('pay.v1', 'idem-sha256:' || encode(sha256($1::bytea), 'hex'), 'k', '\x01', 200, '\xff00', now() + interval '1 hour')`, []byte(c.principal)); err != nil {
+			t.Fatal(err)
+		}
+		var stdout, stderr strings.Builder
+		if code := run(ctx, []string{"keys", "show", "--scope", "pay.v1", "--principal", c.principal, "--key", "k"}, &stdout, &stderr); code != exitOK {
+			t.Fatalf("principal %q: exit %d: %s", c.principal, code, stderr.String())
+		}
+		if out := stdout.String(); !strings.Contains(out, c.want) || !strings.Contains(out, "body:        hex:ff00\n") || strings.ContainsAny(out, "\x00\xff") {
+			t.Errorf("principal %q: stdout %q; want %q…, the body as hex, no raw byte", c.principal, out, c.want)
+		}
+	}
+}
