@@ -50,21 +50,10 @@ type batchGate struct {
 // table through g.conn, then calls gate.
 func newBatchGate(t *testing.T, what string) *batchGate {
 	t.Helper()
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := &batchGate{t: t, what: what, url: dbURL}
+	dbURL, conn := testSchemaConn(t)
+	g := &batchGate{t: t, what: what, url: dbURL, conn: conn}
 	g.proxy = faultproxy.New(t, faultproxy.PostgresTarget(dbURL))
 	t.Setenv("DATABASE_URL", g.proxy.RewriteURL(dbURL))
-	g.conn, err = pgx.Connect(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { g.conn.Close(context.Background()) })
 	return g
 }
 

@@ -157,6 +157,33 @@ func newSchema() (string, func(), error) {
 	return u.String(), drop, nil
 }
 
+// testSchema is newSchema for a test: the schema is dropped when the test
+// ends, and an error creating it fails the test.
+func testSchema(t *testing.T) string {
+	t.Helper()
+	dbURL, drop, err := newSchema()
+	if drop != nil {
+		t.Cleanup(drop)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dbURL
+}
+
+// testSchemaConn is testSchema and the test's own connection to the
+// schema (not through any proxy), closed when the test ends.
+func testSchemaConn(t *testing.T) (string, *pgx.Conn) {
+	t.Helper()
+	dbURL := testSchema(t)
+	conn, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return dbURL, conn
+}
+
 // cmdSQL runs "sql STATEMENT" in the script's schema and prints the result
 // rows, one per line, values separated by spaces.
 func cmdSQL(ts *testscript.TestScript, neg bool, args []string) {
@@ -286,19 +313,8 @@ func TestFlagsNotUTF8(t *testing.T) {
 // exit 1, the refused outcome, with the rows it could delete deleted; its
 // dry run exits 0. (purgeparkedat.txtar covers the messages.)
 func TestPurgeKeptParkedRowsExit1(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
 	t.Setenv("DATABASE_URL", dbURL)
-	conn, err := pgx.Connect(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(context.Background())
 	if _, err := conn.Exec(context.Background(), `INSERT INTO idem_outbox (topic, payload, status, created_at, parked_at)
 		VALUES ('t', '', 'PARKED', now() - interval '2 days', NULL), ('t', '', 'PARKED', now() - interval '2 days', now() - interval '2 days')`); err != nil {
 		t.Fatal(err)
@@ -343,13 +359,7 @@ func TestPurgeCutoffByDatabaseClock(t *testing.T) {
 }
 
 func testPurgeCutoffByDatabaseClock(t *testing.T, dbBehind bool) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL := testSchema(t)
 	if dbBehind {
 		// A now() of the schema's own, two hours behind PostgreSQL's, found
 		// before pg_catalog's by a search_path that names pg_catalog after
@@ -489,20 +499,9 @@ func testPurgeInterrupted(t *testing.T, atCommit bool) {
 // printed all of it (8 MiB as hex) to the terminal. By default each field
 // is cut at 4096 bytes with its full size noted; --full prints it whole.
 func TestShowBoundedByDefault(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
 	t.Setenv("DATABASE_URL", dbURL)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	const size = 4 << 20
 	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
 		VALUES (1, 'billing', 'orders.confirmed', 0, 7, convert_to(repeat('k', $1), 'UTF8'), convert_to(repeat('v', $1), 'UTF8'),
@@ -539,20 +538,9 @@ func TestShowBoundedByDefault(t *testing.T) {
 // printed 5 MB. It shows the first 100 and says how many more; --full
 // shows all.
 func TestShowBoundsHeaderCount(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
 	t.Setenv("DATABASE_URL", dbURL)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	const n = 200000
 	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
 		SELECT 1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', array_agg(convert_to('h' || i, 'UTF8') ORDER BY i), array_agg(convert_to('0123456789', 'UTF8') ORDER BY i), 3, 'boom'
@@ -591,20 +579,9 @@ func TestShowBoundsHeaderCount(t *testing.T) {
 // all; the same usage errors, exit 2. And a principal stored hashed because
 // it is not valid UTF-8 or holds a NUL is printed escaped, never raw.
 func TestKeysShowBoundedByDefault(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
 	t.Setenv("DATABASE_URL", dbURL)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	const size, headers = 4 << 20, 100_000
 	if _, err := conn.Exec(ctx, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, headers, body, expires_at)
 		SELECT 'pay.v1', 'tenant-a', 'big', '\x01', 200,

@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -25,13 +24,7 @@ import (
 // 2 and leave the dead letter unreplayed: a second replay that does reach
 // the broker is deduplicated by event id if the first one was written.
 func TestReplayBrokerSilentAfterProduce(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
 	cluster, proxies := faultproxy.KafkaCluster(t, 1, kfake.SeedTopics(1, "orders.confirmed"))
 	cluster.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
 		faultproxy.Each(proxies, (*faultproxy.Proxy).Blackhole) // the response is never delivered
@@ -42,11 +35,6 @@ func TestReplayBrokerSilentAfterProduce(t *testing.T) {
 	t.Setenv("IDEMCTL_TIMEOUT", "5s")
 
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, attempts, last_error)
 		VALUES (1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', 3, 'boom')`); err != nil {
 		t.Fatal(err)
@@ -71,8 +59,8 @@ func TestReplayBrokerSilentAfterProduce(t *testing.T) {
 	if !strings.Contains(stderr.String(), "no ack from KAFKA_BROKERS within --timeout 2s") {
 		t.Errorf("stderr %q does not say the broker did not ack", stderr.String())
 	}
-	var replayed *time.Time
-	if err := conn.QueryRow(ctx, `SELECT replayed_at FROM idem_dead_letters WHERE id = 1`).Scan(&replayed); err != nil {
+	replayed, err := deadLetterReplayedAt(conn)
+	if err != nil {
 		t.Fatal(err)
 	}
 	if replayed != nil {
@@ -88,20 +76,9 @@ func TestReplayBrokerSilentAfterProduce(t *testing.T) {
 // replayed failed (a second replay is deduplicated by event id)", which
 // read as an invitation to replay it again.
 func TestReplayMarkLostAfterAck(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
 	app := "idemctl-marklost-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.confirmed"))
 	if err != nil {
 		t.Fatal(err)
@@ -120,10 +97,7 @@ func TestReplayMarkLostAfterAck(t *testing.T) {
 	})
 	t.Setenv("DATABASE_URL", dbURL+"&application_name="+app)
 	t.Setenv("KAFKA_BROKERS", strings.Join(cluster.ListenAddrs(), ","))
-	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
-		VALUES (1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-1'::bytea], 3, 'boom')`); err != nil {
-		t.Fatal(err)
-	}
+	insertReplayableDeadLetter(t, conn)
 
 	var stdout, stderr bytes.Buffer
 	code := run(ctx, []string{"deadletters", "replay", "--id", "1", "--yes", "--timeout", "10s"}, &stdout, &stderr)
@@ -149,8 +123,7 @@ func TestReplayMarkLostAfterAck(t *testing.T) {
 			t.Errorf("stderr does not say %q:\n%s", w, stderr.String())
 		}
 	}
-	var replayed *time.Time
-	if err := conn.QueryRow(ctx, `SELECT replayed_at FROM idem_dead_letters WHERE id = 1`).Scan(&replayed); err != nil || replayed != nil {
+	if replayed, err := deadLetterReplayedAt(conn); err != nil || replayed != nil {
 		t.Errorf("replayed_at = %v (%v), want NULL: the mark's connection was lost", replayed, err)
 	}
 	// The record is in the topic all the same.

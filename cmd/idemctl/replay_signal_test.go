@@ -144,23 +144,8 @@ type replayFixture struct {
 
 func newReplayFixture(t *testing.T, onProduce func(db *faultproxy.Proxy)) *replayFixture {
 	t.Helper()
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
-		VALUES (1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-1'::bytea], 3, 'boom')`); err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
+	insertReplayableDeadLetter(t, conn)
 	proxy := faultproxy.New(t, faultproxy.PostgresTarget(dbURL))
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.confirmed"))
 	if err != nil {
@@ -180,12 +165,30 @@ func newReplayFixture(t *testing.T, onProduce func(db *faultproxy.Proxy)) *repla
 	}}
 }
 
+// insertReplayableDeadLetter stores dead letter 1 of orders.confirmed, with
+// an event id (header idem-event-id "ev-1") and partition key "k".
+func insertReplayableDeadLetter(t *testing.T, conn *pgx.Conn) {
+	t.Helper()
+	if _, err := conn.Exec(context.Background(), `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
+		VALUES (1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-1'::bytea], 3, 'boom')`); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deadLetterReplayedAt reads dead letter 1's replayed_at (nil: not marked)
+// through conn.
+func deadLetterReplayedAt(conn *pgx.Conn) (*time.Time, error) {
+	var at *time.Time
+	err := conn.QueryRow(context.Background(), `SELECT replayed_at FROM idem_dead_letters WHERE id = 1`).Scan(&at)
+	return at, err
+}
+
 // replayedAt reads dead letter 1's replayed_at (nil: not marked) straight
 // from the database, around the proxy.
 func (f *replayFixture) replayedAt(t *testing.T) *time.Time {
 	t.Helper()
-	var at *time.Time
-	if err := f.conn.QueryRow(context.Background(), `SELECT replayed_at FROM idem_dead_letters WHERE id = 1`).Scan(&at); err != nil {
+	at, err := deadLetterReplayedAt(f.conn)
+	if err != nil {
 		t.Fatal(err)
 	}
 	return at
@@ -430,23 +433,8 @@ func TestReplayConcurrentRealProcesses(t *testing.T) {
 // canceled", exit 2: neither that the dead letter stays unreplayed nor
 // that its record may be out all the same.
 func TestReplayInterruptedBeforeAck(t *testing.T) {
-	dbURL, drop, err := newSchema()
-	if drop != nil {
-		t.Cleanup(drop)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, `INSERT INTO idem_dead_letters (id, context, topic, kpartition, koffset, record_key, value, header_keys, header_values, attempts, last_error)
-		VALUES (1, 'billing', 'orders.confirmed', 0, 7, 'k', 'v', ARRAY['idem-event-id'::bytea], ARRAY['ev-1'::bytea], 3, 'boom')`); err != nil {
-		t.Fatal(err)
-	}
+	dbURL, conn := testSchemaConn(t)
+	insertReplayableDeadLetter(t, conn)
 	cluster, proxies := faultproxy.KafkaCluster(t, 1, kfake.SeedTopics(1, "orders.confirmed"))
 	written := make(chan struct{})
 	var once sync.Once
@@ -476,8 +464,7 @@ func TestReplayInterruptedBeforeAck(t *testing.T) {
 			t.Errorf("stderr lacks %q", w)
 		}
 	}
-	var at *time.Time
-	if err := conn.QueryRow(ctx, `SELECT replayed_at FROM idem_dead_letters WHERE id = 1`).Scan(&at); err != nil || at != nil {
+	if at, err := deadLetterReplayedAt(conn); err != nil || at != nil {
 		t.Errorf("replayed_at %v (%v), want NULL", at, err)
 	}
 	faultproxy.Each(proxies, (*faultproxy.Proxy).Restore)
