@@ -112,18 +112,15 @@ func TestHandlerLoweredIdleTimeoutIsDeadLettered(t *testing.T) {
 				t.Fatalf("Process: %v, %v after %d calls and %d outage tries; want dead-lettered after the budget of 3 (last log lines:\n%s)",
 					o, err, calls.Load(), tries, tail(logs.String(), 3))
 			}
-			want := int64(3)
+			want, why := int64(3), "the budget"
 			if strings.HasPrefix(name, "connection closed") {
-				want = 9 // two unclear tries waited out before each charged one
+				want, why = 9, "two unclear tries waited out before each charged one"
 			}
-			if n := calls.Load(); n != want {
-				t.Fatalf("the handler ran %d times, want %d", n, want)
-			}
+			wantRuns(t, &calls, want, why)
 			if strings.HasPrefix(name, "lowered") && strings.Contains(logs.String(), "storage unavailable") {
 				// The handler idled most of the window: charged at once.
 				t.Fatalf("waited out as an outage:\n%s", logs)
 			}
-			attempts, last := lastDeadLetter(t, pool)
 			wantText := "lowered it"
 			switch {
 			case strings.HasPrefix(name, "runtime's"):
@@ -131,9 +128,7 @@ func TestHandlerLoweredIdleTimeoutIsDeadLettered(t *testing.T) {
 			case strings.HasPrefix(name, "connection closed"):
 				wantText = "connection is closed (on 3 tries in a row"
 			}
-			if attempts != 3 || !strings.Contains(last, wantText) {
-				t.Fatalf("dead letter: %d attempts, last error %q; want 3 and %q", attempts, last, wantText)
-			}
+			wantDeadLetter(t, pool, 3, wantText)
 			if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 0 {
 				t.Fatalf("%d effects, want 0", n)
 			}
@@ -252,13 +247,8 @@ func TestLoweredIdleTimeoutReachedByRoundTripsIsBounded(t *testing.T) {
 	if err != nil || o != idem.DeadLettered {
 		t.Fatalf("Process: %v, %v after %d calls; want dead-lettered (last log lines:\n%s)", o, err, calls.Load(), tail(logs.String(), 3))
 	}
-	if n := calls.Load(); n != 6 {
-		t.Fatalf("the handler ran %d times, want 6 (two unclear tries waited out before each of 2 attempts)", n)
-	}
-	attempts, last := lastDeadLetter(t, direct)
-	if attempts != 2 || !strings.Contains(last, "on 3 tries in a row") || !strings.Contains(last, "25P03") {
-		t.Fatalf("dead letter: %d attempts, last error %q", attempts, last)
-	}
+	wantRuns(t, &calls, 6, "two unclear tries waited out before each of 2 attempts")
+	wantDeadLetter(t, direct, 2, "on 3 tries in a row", "25P03")
 }
 
 // The HTTP side of TestHandlerLoweredIdleTimeoutIsDeadLettered: a
@@ -300,16 +290,8 @@ func TestFunctionLoweredIdleTimeoutIs500(t *testing.T) {
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
 			e := newEnv(t)
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			var slow atomic.Bool
-			slow.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if slow.Load() {
-					return c.hook(ctx, tx)
-				}
-				return nil
-			}
+			e.captureLogs()
+			fix := e.hookUntilFixed(c.hook)
 			h := e.handler(idem.Endpoint{KeyOptional: !c.keyed})
 			key := ""
 			if c.keyed {
@@ -319,17 +301,7 @@ func TestFunctionLoweredIdleTimeoutIs500(t *testing.T) {
 			if r.status != http.StatusInternalServerError || !strings.Contains(string(r.body), "Transaction idle too long") || r.header.Get("Retry-After") != "" {
 				t.Fatalf("%d %s (Retry-After %q); want a 500 \"Transaction idle too long\" without Retry-After", r.status, r.body, r.header.Get("Retry-After"))
 			}
-			if e.effects() != 0 || e.keys() != 0 {
-				t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
-			}
-			slow.Store(false)
-			r = do(h, key, body1)
-			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-			}
-			if e.calls.Load() != 2 || e.effects() != 1 {
-				t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
-			}
+			wantRetryRunsAgain(t, e, h, key, fix)
 		})
 	}
 }

@@ -2,7 +2,6 @@ package idem_test
 
 import (
 	"context"
-	"log/slog"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -31,6 +30,29 @@ func lastDeadLetter(t *testing.T, pool *pgxpool.Pool) (int32, string) {
 		t.Fatal(err)
 	}
 	return attempts, last
+}
+
+// wantDeadLetter fails the test unless the newest dead letter has the
+// given attempts and each of lastHas in its last error.
+func wantDeadLetter(t *testing.T, pool *pgxpool.Pool, attempts int32, lastHas ...string) {
+	t.Helper()
+	got, last := lastDeadLetter(t, pool)
+	ok := got == attempts
+	for _, s := range lastHas {
+		ok = ok && strings.Contains(last, s)
+	}
+	if !ok {
+		t.Fatalf("dead letter: %d attempts, last error %q; want %d and %q in it", got, last, attempts, lastHas)
+	}
+}
+
+// wantRuns fails the test unless the handler ran (calls) want times; why
+// says what want is.
+func wantRuns(t *testing.T, calls *atomic.Int64, want int64, why string) {
+	t.Helper()
+	if n := calls.Load(); n != want {
+		t.Fatalf("the handler ran %d times, want %d (%s)", n, want, why)
+	}
 }
 
 // A handler that holds its transaction idle past
@@ -105,13 +127,8 @@ func TestHandlerIdlePastTimeoutIsDeadLettered(t *testing.T) {
 			if err != nil || o != idem.DeadLettered {
 				t.Fatalf("Process: %v, %v after %d calls; want dead-lettered after the budget", o, err, calls.Load())
 			}
-			if n := calls.Load(); n != 3 {
-				t.Fatalf("the handler ran %d times, want the budget of 3", n)
-			}
-			attempts, last := lastDeadLetter(t, pool)
-			if attempts != 3 || !strings.Contains(last, "idle_in_transaction_session_timeout (100ms)") || !strings.Contains(last, "25P03") {
-				t.Fatalf("dead letter: %d attempts, last error %q; want 3 and the idle timeout named", attempts, last)
-			}
+			wantRuns(t, &calls, 3, "the budget")
+			wantDeadLetter(t, pool, 3, "idle_in_transaction_session_timeout (100ms)", "25P03")
 			if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 0 {
 				t.Fatalf("%d effects, want 0", n)
 			}
@@ -139,13 +156,8 @@ func TestHandlerStatementTimeoutIsDeadLettered(t *testing.T) {
 	if err != nil || o != idem.DeadLettered {
 		t.Fatalf("Process: %v, %v after %d calls; want dead-lettered after the budget", o, err, calls.Load())
 	}
-	if n := calls.Load(); n != 3 {
-		t.Fatalf("the handler ran %d times, want the budget of 3", n)
-	}
-	attempts, last := lastDeadLetter(t, pool)
-	if attempts != 3 || !strings.Contains(last, "statement_timeout") || !strings.Contains(last, "57014") {
-		t.Fatalf("dead letter: %d attempts, last error %q; want 3 and statement_timeout named", attempts, last)
-	}
+	wantRuns(t, &calls, 3, "the budget")
+	wantDeadLetter(t, pool, 3, "statement_timeout", "57014")
 }
 
 // One slow attempt (the handler idles past the timeout once) uses one
@@ -258,16 +270,8 @@ func TestFunctionIdleOrStatementTimeoutIsFunctionFailure(t *testing.T) {
 				e = newEnv(t)
 				e.cfg.IdleInTransactionTimeout = 100 * time.Millisecond
 			}
-			logs := &lockedBuffer{}
-			e.cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-			var slow atomic.Bool
-			slow.Store(true)
-			e.hook = func(ctx context.Context, tx pgx.Tx, _ chargeReq) error {
-				if slow.Load() {
-					return c.hook(ctx, tx)
-				}
-				return nil
-			}
+			logs := e.captureLogs()
+			fix := e.hookUntilFixed(c.hook)
 			h := e.handler(idem.Endpoint{KeyOptional: !c.keyed})
 			key := ""
 			if c.keyed {
@@ -281,17 +285,7 @@ func TestFunctionIdleOrStatementTimeoutIsFunctionFailure(t *testing.T) {
 			if strings.Contains(logs.String(), "storage") {
 				t.Fatalf("logged as a storage failure:\n%s", logs)
 			}
-			if e.effects() != 0 || e.keys() != 0 {
-				t.Fatalf("%d effects, %d keys, want 0, 0", e.effects(), e.keys())
-			}
-			slow.Store(false)
-			r = do(h, key, body1)
-			if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") == "true" {
-				t.Fatalf("retry: %d %s, want 201 from a run", r.status, r.body)
-			}
-			if e.calls.Load() != 2 || e.effects() != 1 {
-				t.Fatalf("retry: %d calls, %d effects, want 2, 1", e.calls.Load(), e.effects())
-			}
+			wantRetryRunsAgain(t, e, h, key, fix)
 		})
 	}
 }
