@@ -84,8 +84,29 @@ func (c *idleClock) began(sent, answered time.Time) {
 }
 
 func (c *idleClock) enter() {
+	c.enterFrom()
+}
+
+// windowFrom is where the idle window of a call's statement begins, noted
+// when the call sends it (see enterFrom).
+type windowFrom struct {
+	start            time.Time
+	handler, runtime time.Duration
+}
+
+// enterFrom is enter, returning where the window of the statement this
+// call sends begins. A call that sends a statement and leaves the reading
+// of its answer to another (Query and QueryRow: Rows.Next, Row.Scan;
+// SendBatch: its results) may read a FATAL in the first and report it in
+// the second: the window the FATAL ended begins before the sending call,
+// not before the reporting one (whose busy stretch before is the sending
+// call's, after the server's idling began). Measured from there, a
+// network slower than the runtime's timeout read as a window shorter than
+// it: a timeout "lowered by the handler", charged.
+func (c *idleClock) enterFrom() windowFrom {
 	now := time.Now()
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	if c.calls == 0 {
 		c.lastIdle = now.Sub(c.since)
 		c.longest = max(c.longest, c.lastIdle)
@@ -93,7 +114,11 @@ func (c *idleClock) enter() {
 		c.busy = now
 	}
 	c.calls++
-	c.mu.Unlock()
+	f := windowFrom{start: c.prevBusy, handler: c.lastIdle}
+	if !c.called {
+		f.runtime = c.since.Sub(c.answered)
+	}
+	return f
 }
 
 func (c *idleClock) exit() {
@@ -116,8 +141,20 @@ func (c *idleClock) failed(err error) {
 }
 
 func (c *idleClock) noteFailed(err error) {
+	c.noteFailedFrom(err, nil)
+}
+
+// failedFrom is failed for a call reporting the answer to a statement
+// another call sent (see enterFrom): from is where that one's window began.
+func (c *idleClock) failedFrom(err error, from *windowFrom) {
+	if err != nil {
+		c.noteFailedFrom(err, from)
+	}
+}
+
+func (c *idleClock) noteFailedFrom(err error, from *windowFrom) {
 	if c.conn.IsClosed() {
-		c.noteEnd(err)
+		c.noteEnd(err, from)
 	}
 	// Only a context's error that left the connection closed: pgconn
 	// refuses a statement whose context is done already without sending it
@@ -137,7 +174,7 @@ func (c *idleClock) noteFailed(err error) {
 // noteEnd notes err, the failure of a call that left the connection
 // closed, when it is the first: the window it ended runs from the start of
 // the busy stretch before this one to now.
-func (c *idleClock) noteEnd(err error) {
+func (c *idleClock) noteEnd(err error, from *windowFrom) {
 	now := time.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -145,6 +182,12 @@ func (c *idleClock) noteEnd(err error) {
 		w := idleWindow{span: now.Sub(c.prevBusy), handler: c.lastIdle}
 		if !c.called {
 			w.runtime = c.since.Sub(c.answered) // before the handler was called
+		}
+		if from != nil && from.start.Before(c.prevBusy) {
+			// The statement was sent by an earlier call (enterFrom).
+			w.span = now.Sub(from.start)
+			w.handler = max(w.handler, from.handler)
+			w.runtime = max(w.runtime, from.runtime)
 		}
 		c.end = &connEnd{err: err, window: w}
 	}
@@ -254,9 +297,9 @@ func (t *clockedTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns 
 }
 
 func (t *clockedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	t.clock.enter()
+	from := t.clock.enterFrom()
 	defer t.clock.exit()
-	return &clockedBatch{BatchResults: t.Tx.SendBatch(ctx, b), clock: t.clock}
+	return &clockedBatch{BatchResults: t.Tx.SendBatch(ctx, b), clock: t.clock, from: from}
 }
 
 func (t *clockedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
@@ -276,20 +319,20 @@ func (t *clockedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 }
 
 func (t *clockedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	t.clock.enter()
+	from := t.clock.enterFrom()
 	defer t.clock.exit()
 	rows, err := t.Tx.Query(ctx, sql, args...)
 	t.clock.failed(err)
 	if err != nil {
 		return rows, err
 	}
-	return &clockedRows{Rows: rows, clock: t.clock}, nil
+	return &clockedRows{Rows: rows, clock: t.clock, from: from}, nil
 }
 
 func (t *clockedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	t.clock.enter()
+	from := t.clock.enterFrom()
 	defer t.clock.exit()
-	return &clockedRow{row: t.Tx.QueryRow(ctx, sql, args...), clock: t.clock}
+	return &clockedRow{row: t.Tx.QueryRow(ctx, sql, args...), clock: t.clock, from: from}
 }
 
 // clockedRows times the reads of a result: Next and Close wait for the
@@ -297,6 +340,7 @@ func (t *clockedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 type clockedRows struct {
 	pgx.Rows
 	clock *idleClock
+	from  windowFrom // of the call that sent the statement (enterFrom)
 }
 
 func (r *clockedRows) Next() bool {
@@ -305,7 +349,7 @@ func (r *clockedRows) Next() bool {
 	if r.Rows.Next() {
 		return true
 	}
-	r.clock.failed(r.Rows.Err())
+	r.clock.failedFrom(r.Rows.Err(), &r.from)
 	return false
 }
 
@@ -313,20 +357,21 @@ func (r *clockedRows) Close() {
 	r.clock.enter()
 	defer r.clock.exit()
 	r.Rows.Close()
-	r.clock.failed(r.Rows.Err())
+	r.clock.failedFrom(r.Rows.Err(), &r.from)
 }
 
 // clockedRow times QueryRow's Scan, which reads the answer.
 type clockedRow struct {
 	row   pgx.Row
 	clock *idleClock
+	from  windowFrom // of the call that sent the statement (enterFrom)
 }
 
 func (r *clockedRow) Scan(dest ...any) error {
 	r.clock.enter()
 	defer r.clock.exit()
 	err := r.row.Scan(dest...)
-	r.clock.failed(err)
+	r.clock.failedFrom(err, &r.from)
 	return err
 }
 
@@ -334,13 +379,14 @@ func (r *clockedRow) Scan(dest ...any) error {
 type clockedBatch struct {
 	pgx.BatchResults
 	clock *idleClock
+	from  windowFrom // of SendBatch (enterFrom)
 }
 
 func (b *clockedBatch) Exec() (pgconn.CommandTag, error) {
 	b.clock.enter()
 	defer b.clock.exit()
 	tag, err := b.BatchResults.Exec()
-	b.clock.failed(err)
+	b.clock.failedFrom(err, &b.from)
 	return tag, err
 }
 
@@ -348,23 +394,23 @@ func (b *clockedBatch) Query() (pgx.Rows, error) {
 	b.clock.enter()
 	defer b.clock.exit()
 	rows, err := b.BatchResults.Query()
-	b.clock.failed(err)
+	b.clock.failedFrom(err, &b.from)
 	if err != nil {
 		return rows, err
 	}
-	return &clockedRows{Rows: rows, clock: b.clock}, nil
+	return &clockedRows{Rows: rows, clock: b.clock, from: b.from}, nil
 }
 
 func (b *clockedBatch) QueryRow() pgx.Row {
 	b.clock.enter()
 	defer b.clock.exit()
-	return &clockedRow{row: b.BatchResults.QueryRow(), clock: b.clock}
+	return &clockedRow{row: b.BatchResults.QueryRow(), clock: b.clock, from: b.from}
 }
 
 func (b *clockedBatch) Close() error {
 	b.clock.enter()
 	defer b.clock.exit()
 	err := b.BatchResults.Close()
-	b.clock.failed(err)
+	b.clock.failedFrom(err, &b.from)
 	return err
 }
