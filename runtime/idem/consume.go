@@ -396,16 +396,21 @@ type deadLetterCall struct {
 // partition's goroutine only waits, so it survives; labels and
 // SetPanicOnFault are reset as guarded resets them.
 func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *EventHandler, rec *Record, replayID int64, failed error) (Outcome, error) {
-	r := resume{failed: failed, inBatch: failed != nil}
-	w := &inlineGuard{}
+	// The guard, the resume point and the call's results in one
+	// allocation: the closure handed to the lane captures them, and each
+	// captured variable the loop assigns was moved to the heap on its own.
+	lr := &struct {
+		w       inlineGuard
+		r       resume
+		outcome Outcome
+		err     error
+	}{r: resume{failed: failed, inBatch: failed != nil}}
+	w := &lr.w
 	outside := 0 // Goexits outside the record's user code
 	for {
-		var (
-			outcome Outcome
-			err     error
-		)
-		if onLane(ctx, l, func() { outcome, err = p.processFrom(ctx, w, h, rec, replayID, r) }) {
-			return outcome, err
+		lr.outcome, lr.err = 0, nil
+		if onLane(ctx, l, func() { lr.outcome, lr.err = p.processFrom(ctx, w, h, rec, replayID, lr.r) }) {
+			return lr.outcome, lr.err
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return 0, ctxErr // commit nothing: the record is delivered again
@@ -423,7 +428,7 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 			if err := sleep(ctx, p.cfg.Retry.backoff(outside)); err != nil {
 				return 0, err
 			}
-			r = resume{dead: w.dead}
+			lr.r = resume{dead: w.dead}
 			continue
 		}
 		if gerr == nil {
@@ -440,14 +445,14 @@ func (p *Processor) processOnLane(ctx context.Context, l *guardlane.Lane, h *Eve
 			gerr = &panicError{where: whereHooks, value: errGoexit}
 		}
 		if !w.decoded {
-			r = resume{dead: &deadLetterCall{attempts: 1, cause: gerr}}
+			lr.r = resume{dead: &deadLetterCall{attempts: 1, cause: gerr}}
 		} else {
 			// verify: ended during the attempt's COMMIT (a pgx tracer's
 			// TraceBatchEnd runs after the server answered), or while
 			// checking one: the record may be applied. Charged, a
 			// record on its last attempt was dead-lettered although
 			// its COMMIT had taken effect.
-			r = resume{attempts: w.attempt, failed: gerr, verify: w.committing || w.verifying}
+			lr.r = resume{attempts: w.attempt, failed: gerr, verify: w.committing || w.verifying}
 		}
 	}
 }

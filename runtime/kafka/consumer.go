@@ -902,8 +902,11 @@ func (r *run) close() {
 
 func toRecord(r *kgo.Record) *idem.Record {
 	rec := &idem.Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, Key: r.Key, Value: r.Value}
-	for _, h := range r.Headers {
-		rec.Headers = append(rec.Headers, idem.RecordHeader{Key: h.Key, Value: h.Value})
+	if len(r.Headers) > 0 { // nil when none, as before
+		rec.Headers = make([]idem.RecordHeader, len(r.Headers))
+		for i, h := range r.Headers {
+			rec.Headers[i] = idem.RecordHeader{Key: h.Key, Value: h.Value}
+		}
 	}
 	return rec
 }

@@ -48,7 +48,8 @@ type RecordedEvent struct {
 // runs them in order and skips the rest at the first failure, so a failure
 // leaves the transaction aborted (or, if BEGIN failed, not begun); the
 // error is a *StepError naming the statement that failed. idle, not
-// arg.Idle, is sent, rendered as PostgreSQL reads it.
+// arg.Idle, is sent, rendered as PostgreSQL reads it (msArg: rendered and
+// boxed once per value, not per record).
 //
 // The settings ride on the dedupe insert (they were a statement of their
 // own, SetTxSettings, queued after BEGIN): one statement less per record.
@@ -70,7 +71,7 @@ func BeginRecordEvent(ctx context.Context, conn *pgx.Conn, idle time.Duration, r
 			}})
 	}
 	steps = append(steps, step{op: "record processed event", sql: db.InsertProcessedEvent,
-		args: []any{arg.Context, arg.EventID, arg.Topic, arg.Kpartition, arg.Koffset, ms(idle)},
+		args: []any{arg.Context, arg.EventID, arg.Topic, arg.Kpartition, arg.Koffset, msArg(idle)},
 		read: func(br pgx.BatchResults) error {
 			ct, err := br.Exec()
 			if err == nil {
@@ -90,7 +91,7 @@ func BeginRecordEvent(ctx context.Context, conn *pgx.Conn, idle time.Duration, r
 // and the error are as in BeginRecordEvent, and so is idle.
 func BeginRecordEvents(ctx context.Context, conn *pgx.Conn, idle time.Duration, arg db.InsertProcessedEventsParams) (tx pgx.Tx, fresh []string, err error) {
 	tx, err = beginPipelined(ctx, conn, []step{{op: "record processed events", sql: db.InsertProcessedEvents,
-		args: []any{arg.Context, arg.EventIds, arg.Topic, arg.Kpartition, arg.Koffsets, ms(idle)},
+		args: []any{arg.Context, arg.EventIds, arg.Topic, arg.Kpartition, arg.Koffsets, msArg(idle)},
 		read: func(br pgx.BatchResults) error {
 			rows, err := br.Query()
 			if err != nil {

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -60,6 +61,7 @@ type Telemetry struct {
 	// recordAttrs caches a *recordAttrs per recordKey: what RecordStart
 	// would otherwise build again for every record.
 	recordAttrs sync.Map
+	lastAttrs   atomic.Pointer[recordAttrs] // the one attrsFor returned last
 }
 
 // recordKey is a consumer and a topic it consumes.
@@ -69,7 +71,10 @@ type recordKey struct{ consumer, topic string }
 // span name and the metric attribute sets, built once (an attribute set is
 // sorted and allocated each time it is made).
 type recordAttrs struct {
+	key      recordKey
 	spanName string
+	kind     trace.SpanStartOption    // SpanKindConsumer
+	ids      trace.SpanStartOption    // the consumer and topic attributes of the span
 	duration metric.MeasurementOption // consumer, topic
 	outcomes map[string]metric.MeasurementOption
 }
@@ -79,13 +84,23 @@ type recordAttrs struct {
 var recordOutcomes = []string{"applied", "duplicate", "dead-lettered", "cancelled"}
 
 // attrsFor returns the cached recordAttrs of consumer and topic.
+// The last one returned is checked first: a consumer's records come from
+// one handler and topic at a time, and a sync.Map lookup boxes its key (an
+// allocation per record).
 func (t *Telemetry) attrsFor(consumer, topic string) *recordAttrs {
+	if a := t.lastAttrs.Load(); a != nil && a.key.consumer == consumer && a.key.topic == topic {
+		return a
+	}
 	k := recordKey{consumer, topic}
 	if a, ok := t.recordAttrs.Load(k); ok {
+		t.lastAttrs.Store(a.(*recordAttrs))
 		return a.(*recordAttrs)
 	}
 	a := &recordAttrs{
+		key:      k,
 		spanName: "idem.consume " + topic,
+		kind:     trace.WithSpanKind(trace.SpanKindConsumer),
+		ids:      trace.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic)),
 		duration: metric.WithAttributeSet(attribute.NewSet(KeyConsumer.String(consumer), KeyTopic.String(topic))),
 		outcomes: make(map[string]metric.MeasurementOption, len(recordOutcomes)),
 	}
@@ -93,6 +108,7 @@ func (t *Telemetry) attrsFor(consumer, topic string) *recordAttrs {
 		a.outcomes[o] = a.outcome(consumer, topic, o)
 	}
 	v, _ := t.recordAttrs.LoadOrStore(k, a)
+	t.lastAttrs.Store(v.(*recordAttrs))
 	return v.(*recordAttrs)
 }
 
@@ -256,9 +272,10 @@ func (t *Telemetry) RecordStart(ctx context.Context, consumer, topic string, par
 	}
 	start := time.Now()
 	a := t.attrsFor(consumer, topic)
-	ctx, span := t.tracer.Start(ctx, a.spanName, trace.WithSpanKind(trace.SpanKindConsumer),
-		trace.WithAttributes(KeyConsumer.String(consumer), KeyTopic.String(topic),
-			KeyPartition.Int64(int64(partition)), KeyOffset.Int64(offset)))
+	// The same options, in the same order, as one WithAttributes of all
+	// four: the kind and the consumer and topic attributes built once.
+	ctx, span := t.tracer.Start(ctx, a.spanName, a.kind, a.ids,
+		trace.WithAttributes(KeyPartition.Int64(int64(partition)), KeyOffset.Int64(offset)))
 	return ctx, func(outcome string, err error) {
 		t.records.Add(ctx, 1, a.outcome(consumer, topic, outcome))
 		t.recordDuration.Record(ctx, time.Since(start).Seconds(), a.duration)
@@ -419,7 +436,9 @@ func (t *Telemetry) RegisterLag(read func(context.Context) (Lag, error)) (func()
 // end finishes span with outcome; an error that is the caller's going away
 // (cancellation) is recorded but not marked as a span error.
 func end(span trace.Span, outcome string, err error) {
-	span.SetAttributes(KeyOutcome.String(outcome))
+	if span.IsRecording() { // a span that is not ignores it; the call boxed its argument
+		span.SetAttributes(KeyOutcome.String(outcome))
+	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, outcome)
