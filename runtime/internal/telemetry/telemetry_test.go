@@ -7,12 +7,14 @@ import (
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemgen/idemgen/runtime/internal/telemetry"
 )
@@ -310,4 +312,66 @@ func TestHTTPEndpointReused(t *testing.T) {
 			t.Errorf("span %q outcome %q: status %v", s.Name(), o.AsString(), s.Status())
 		}
 	}
+}
+
+// A record's span carries its kind, consumer, topic, partition, offset and
+// outcome, in that order, whatever consumer and topic came before it (the
+// consumer and topic options are cached per pair, and the last pair is
+// checked first); and a Telemetry made on the global provider before the
+// application sets one (New(nil, nil), the consumer's default) records its
+// spans, with the same attributes, once it is set.
+func TestRecordSpanAttributes(t *testing.T) {
+	ctx := context.Background()
+	type rec struct {
+		consumer, topic string
+		partition       int32
+		offset          int64
+		outcome         string
+	}
+	recs := []rec{
+		{"billing", "orders", 3, 42, "applied"}, {"billing", "orders", 3, 43, "duplicate"},
+		{"billing", "refunds", 0, 7, "applied"}, {"shipping", "orders", 1, 9, "dead-lettered"},
+		{"billing", "orders", 3, 44, "cancelled"},
+	}
+	check := func(t *testing.T, tel *telemetry.Telemetry, spans *tracetest.SpanRecorder) {
+		t.Helper()
+		for _, r := range recs {
+			_, done := tel.RecordStart(ctx, r.consumer, r.topic, r.partition, r.offset)
+			done(r.outcome, nil)
+		}
+		ended := spans.Ended()
+		if len(ended) != len(recs) {
+			t.Fatalf("%d spans, want %d", len(ended), len(recs))
+		}
+		for i, r := range recs {
+			s := ended[i]
+			want := fmt.Sprint([]attribute.KeyValue{telemetry.KeyConsumer.String(r.consumer), telemetry.KeyTopic.String(r.topic),
+				telemetry.KeyPartition.Int64(int64(r.partition)), telemetry.KeyOffset.Int64(r.offset), telemetry.KeyOutcome.String(r.outcome)})
+			if got := fmt.Sprint(s.Attributes()); got != want {
+				t.Errorf("span %d attributes %s, want %s", i, got, want)
+			}
+			if s.Name() != "idem.consume "+r.topic || s.SpanKind() != trace.SpanKindConsumer {
+				t.Errorf("span %d: %q, kind %v", i, s.Name(), s.SpanKind())
+			}
+		}
+	}
+	t.Run("provider", func(t *testing.T) {
+		spans := tracetest.NewSpanRecorder()
+		tel, err := telemetry.New(sdkmetric.NewMeterProvider(), sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		check(t, tel, spans)
+	})
+	t.Run("global set later", func(t *testing.T) {
+		tel, err := telemetry.New(nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, done := tel.RecordStart(ctx, "billing", "orders", 0, 1) // no provider yet: recorded nowhere
+		done("applied", nil)
+		spans := tracetest.NewSpanRecorder()
+		otel.SetTracerProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)))
+		check(t, tel, spans)
+	})
 }
