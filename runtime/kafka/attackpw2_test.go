@@ -282,7 +282,7 @@ func TestAttackPWMemoryManyStuckPartitions(t *testing.T) {
 	for p := range int32(parts) {
 		want[p] = 400
 	}
-	waitBounded(t, 60*time.Second, "every record", func() bool { return committedIs(t, addrs, "mem", parts, want) })
+	waitCommitted(t, addrs, "mem", parts, want, "every record", nil)
 }
 
 // The consumed topic is deleted and re-created while its partition 0 is
@@ -406,10 +406,9 @@ func TestAttackPWPauseRefetchAmplification(t *testing.T) {
 					return ok
 				})
 				sawPaused := false
-				waitBounded(t, 60*time.Second, "every record committed", func() bool {
+				waitCommitted(t, addrs, group, 1, map[int32]int64{0: n}, "every record committed", func() {
 					_, _, _, paused, _ := kafka.WorkerHolds(r.c, "orders", 0)
 					sawPaused = sawPaused || paused
-					return committedIs(t, addrs, group, 1, map[int32]int64{0: n})
 				})
 				r.shutdown(t)
 				wantAppliedInOrder(t, pool, "a", n)

@@ -130,9 +130,7 @@ func testCrashWhilePaused(t *testing.T, batch int) {
 	for q := range int32(parts) {
 		want[q] = per
 	}
-	waitBounded(t, 60*time.Second, "every record committed after the crashes", func() bool {
-		return committedIs(t, addrs, "crash", parts, want)
-	})
+	waitCommitted(t, addrs, "crash", parts, want, "every record committed after the crashes", nil)
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	for q := range int32(parts) {
 		wantAppliedInOrder(t, direct, fmt.Sprintf("z%d", q), per)
@@ -178,9 +176,7 @@ func TestAttackPWFrozenMemberLosesPartitionsWhilePaused(t *testing.T) {
 	for q := range int32(parts) {
 		want[q] = per
 	}
-	waitBounded(t, 60*time.Second, "every record committed", func() bool {
-		return committedIs(t, addrs, "crash", parts, want)
-	})
+	waitCommitted(t, addrs, "crash", parts, want, "every record committed", nil)
 	a.waitFor(t, 0, 30*time.Second, "partitions lost")
 	_ = a.cmd.Process.Signal(syscall.SIGTERM)
 	_ = b.cmd.Process.Signal(syscall.SIGTERM)

@@ -250,3 +250,41 @@ func endOffsets(t testing.TB, addrs []string, topic string, partitions int32) ma
 	}
 	return out
 }
+
+// waitCommitted waits until group's committed offsets on orders are want
+// (each, when not nil, runs before every look). It fails on a stall, not on
+// a slow machine: no committed offset moved for a minute (the bound these
+// waits had in all, which a slow but progressing run under CI's load can
+// exceed), or past 5 minutes in all.
+func waitCommitted(t *testing.T, addrs []string, group string, partitions int32, want map[int32]int64, what string, each func()) {
+	t.Helper()
+	const stall = 60 * time.Second
+	progress, last := int64(-1), time.Now()
+	capAt := time.Now().Add(5 * time.Minute)
+	for {
+		if each != nil {
+			each()
+		}
+		got := committedOffsets(t, addrs, group, "orders", partitions)
+		done := true
+		for p, o := range want {
+			if got[p] != o {
+				done = false
+			}
+		}
+		if done {
+			return
+		}
+		var sum int64
+		for _, o := range got {
+			sum += o
+		}
+		if sum != progress {
+			progress, last = sum, time.Now()
+		}
+		if stalled := time.Since(last) > stall; stalled || time.Now().After(capAt) {
+			t.Fatalf("waiting for %s: no committed offset moved for %v (%v) or past 5m: committed %v, want %v", what, stall, stalled, got, want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
