@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -15,7 +14,6 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -37,7 +35,6 @@ import (
 func TestMain(m *testing.M) {
 	switch os.Getenv("IDEM_TEST_CHILD") {
 	case "":
-		defaultParallel(waitingParallel)
 		os.Exit(m.Run())
 	case "serve":
 		err := childServe()
@@ -381,22 +378,5 @@ func outboxWriters(t *testing.T, pool *pgxpool.Pool, n int) (stop func() int64) 
 		close(done)
 		wg.Wait()
 		return inserted.Load()
-	}
-}
-
-// waitingParallel is how many of this package's parallel tests run at once
-// when go test is given no -parallel: they mostly wait (a Wait of the
-// runtime's, a lease, a session timeout, a restart of PostgreSQL), not
-// compute, so the default, GOMAXPROCS (2 on the CI machine), left the
-// package mostly idle (runtime/idem: ~55 s of CPU in a 9 min run).
-const waitingParallel = 8
-
-// defaultParallel sets -test.parallel to n unless the command line set it.
-func defaultParallel(n int) {
-	flag.Parse()
-	set := false
-	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
-	if !set {
-		_ = flag.Set("test.parallel", strconv.Itoa(n))
 	}
 }
