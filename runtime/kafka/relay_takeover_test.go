@@ -3,14 +3,12 @@ package kafka_test
 import (
 	"bufio"
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -36,7 +34,6 @@ func TestMain(m *testing.M) {
 	if os.Getenv("IDEM_RELAY_CHILD") == "1" {
 		os.Exit(relayChild())
 	}
-	defaultParallel(waitingParallel)
 	os.Exit(m.Run())
 }
 
@@ -410,22 +407,5 @@ func TestLeaderFrozenMidRenewalStepsDownForItsLease(t *testing.T) {
 	t.Logf("B on waking: %s", line)
 	if !strings.Contains(line, "relay lease lost") {
 		t.Fatalf("the leader frozen mid-renewal stepped down without naming its lost lease: %s", line)
-	}
-}
-
-// waitingParallel is how many of this package's parallel tests run at once
-// when go test is given no -parallel: they mostly wait (a Wait of the
-// runtime's, a lease, a session timeout, a restart of PostgreSQL), not
-// compute, so the default, GOMAXPROCS (2 on the CI machine), left the
-// package mostly idle (runtime/idem: ~55 s of CPU in a 9 min run).
-const waitingParallel = 8
-
-// defaultParallel sets -test.parallel to n unless the command line set it.
-func defaultParallel(n int) {
-	flag.Parse()
-	set := false
-	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
-	if !set {
-		_ = flag.Set("test.parallel", strconv.Itoa(n))
 	}
 }
