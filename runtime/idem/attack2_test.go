@@ -435,7 +435,7 @@ func a2Storm(t *testing.T, opts pgx.TxOptions, kill bool) {
 						select {
 						case <-stop:
 							return
-						case <-time.After(15 * time.Millisecond):
+						case <-time.After(150 * time.Millisecond):
 						}
 						_, _ = admin.Exec(context.Background(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 							WHERE application_name = $1 AND state <> 'idle' ORDER BY random() LIMIT 1`, app)
