@@ -39,6 +39,8 @@ SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), tr
 -- to set it. The session's lock_timeout is kept in idem.saved_lock_timeout
 -- for RestoreLockTimeout.
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
+       set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true),
+       set_config('idem.keys_rel', 'idem_keys'::regclass::oid::text, true),
        CASE WHEN @lock_timeout::text <> '' THEN set_config('lock_timeout', @lock_timeout::text, true) END,
        CASE WHEN @conn_check::text <> '' THEN set_config('client_connection_check_interval', @conn_check::text, true) END,
        CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END;
@@ -143,6 +145,19 @@ WITH stored AS (
 )
 SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
+            WHEN coalesce(current_setting('idem.keys_rel', true), '') NOT IN ('', 'idem_keys'::regclass::oid::text)
+            THEN CAST(coalesce(current_setting('idem.keys_rel', true), '') || 'idem: the function made idem_keys name another table' AS boolean)
+            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+                      THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
+                           CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
+                           CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
+                           CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
+                           CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+            WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
+                      ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
+                                    to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
+            THEN CAST(pg_my_temp_schema()::text || 'idem: a temporary table hides a table of the runtime' AS boolean)
             WHEN EXISTS (SELECT 1 FROM stored) THEN true
             ELSE idem_key_completed_elsewhere(@scope, @principal, @key) END::boolean;
 
@@ -168,6 +183,19 @@ SELECT CAST(@scope AS text), CAST(@principal AS text), CAST(@key AS text), CAST(
        statement_timestamp() + make_interval(secs => @ttl_seconds::float8)
 WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
+           WHEN coalesce(current_setting('idem.keys_rel', true), '') NOT IN ('', 'idem_keys'::regclass::oid::text)
+           THEN CAST(coalesce(current_setting('idem.keys_rel', true), '') || 'idem: the function made idem_keys name another table' AS boolean)
+           WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+                     THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
+                          CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
+                          CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
+                          CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
+                          CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
+                          CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+           WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
+                     ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
+                                   to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
+           THEN CAST(pg_my_temp_schema()::text || 'idem: a temporary table hides a table of the runtime' AS boolean)
            ELSE true END;
 
 -- name: CheckOwnTransaction :exec
@@ -182,6 +210,34 @@ WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') =
 -- evaluated when the plan is made) skips the COMMIT.
 SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction the runtime began' AS boolean)
+            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+                      THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
+                           CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
+                           CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
+                           CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
+                           CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+            WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
+                      ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
+                                    to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
+            THEN CAST(pg_my_temp_schema()::text || 'idem: a temporary table hides a table of the runtime' AS boolean)
+            ELSE true END::boolean;
+
+-- name: RestoreSession :exec
+-- Sent in the COMMIT's round trip of a request without a key, before it:
+-- StoreKey's and CheckOwnTransaction's session part alone (see
+-- CheckOwnTransaction).
+SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+                      THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
+                           CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
+                           CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
+                           CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
+                           CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+            WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
+                      ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
+                                    to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
+            THEN CAST(pg_my_temp_schema()::text || 'idem: a temporary table hides a table of the runtime' AS boolean)
             ELSE true END::boolean;
 
 -- name: DeleteExpiredKeys :execrows
@@ -234,6 +290,7 @@ SELECT set_config('lock_timeout', @lock_timeout::text, true);
 -- SetTxSettings, which set none for the consumer either.
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
+           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true) AS session,
            CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
 )
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
@@ -252,6 +309,7 @@ ON CONFLICT (context, event_id) DO NOTHING;
 -- type", 0A000: the batch failed once on every connection).
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
+           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true) AS session,
            CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
 )
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)

@@ -772,6 +772,13 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx) error {
 			// CheckOwnTransaction can. The record's failure.
 			return fmt.Errorf("%w, and began another: %w", errTxEndedByHandler, err)
 		}
+		if pgCode(err) == "22P02" && strings.Contains(err.Error(), tempShadow) {
+			// The handler made a temporary idem_processed_events (or
+			// idem_outbox, ...): committed, the next records on this
+			// pooled connection would be deduplicated (enqueued) there.
+			// Rolled back instead, which drops it. The record's failure.
+			return fmt.Errorf("the handler made a temporary table named like one of the runtime's, which would hide it on this pooled connection: %w", err)
+		}
 		if commitRefusedByWrites(tx, err) {
 			// The database answered: it is the handler's writes (or what the
 			// handler did to its transaction) it refused, the record's

@@ -559,6 +559,12 @@ var (
 	errNoAnswer      = errors.New("the database did not answer within the wait") // with errBusy: see unanswered
 	errStorage       = errors.New("idempotency storage unavailable")
 	errEncodeFailure = errors.New("encode response")
+	// errFunctionMovedKeys: the function changed search_path so that
+	// StoreKey would write into another idem_keys; nothing is stored (500).
+	errFunctionMovedKeys = errors.New("the function changed search_path (or made a temporary idem_keys) so that idem_keys named another table than the one the key was claimed in: nothing was stored or committed (put search_path back before returning, or qualify your tables' names)")
+	// errFunctionTempTable: a temporary table has a runtime table's name;
+	// nothing is stored or committed (500).
+	errFunctionTempTable = errors.New("the function made a temporary table named like one of the runtime's tables (idem_keys, idem_outbox, ...), which would hide it on this pooled connection: nothing was stored or committed")
 	// errFunctionEndedTx: the function committed or rolled back the
 	// runtime's transaction itself; nothing is stored (500).
 	errFunctionEndedTx = errors.New("the function ended its transaction itself (COMMIT or ROLLBACK): no response was stored, and its work may or may not have committed")
@@ -961,7 +967,23 @@ func (h *HTTP) commit(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, 
 	}
 	if in.key == nil {
 		crash.Point(ctx, "http.before-commit")
-		if err := tx.Commit(ctx); err != nil {
+		var err error
+		if dbx.Pipelined(h.txOptions) && h.txOptions.CommitQuery == "" {
+			// RestoreSession, then COMMIT: what the function changed in the
+			// session does not outlive the transaction (see RestoreSession).
+			err = dbx.SessionCommit(ctx, tx)
+		} else {
+			err = tx.Commit(ctx)
+		}
+		if err != nil {
+			if pgCode(err) == "22P02" && strings.Contains(err.Error(), tempShadow) {
+				return nil, fmt.Errorf("%w: %w", errFunctionTempTable, err)
+			}
+			if pgCode(err) != "" && !errors.Is(err, dbx.ErrCommit) {
+				// RestoreSession failed (a statement_timeout the function
+				// set, say): the COMMIT was skipped, nothing committed.
+				return nil, storageErr(ctx, "commit", err)
+			}
 			if (pgCode(err) == "" && !errors.Is(err, pgx.ErrTxCommitRollback)) || sessionEnded(err) {
 				// No answer, or the session ended where it was due: the
 				// COMMIT may have gone through (see the keyed case below).
@@ -1019,6 +1041,14 @@ func (h *HTTP) commit(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, 
 				return nil, refused
 			}
 			return nil, storageErr(ctx, "commit", err)
+		case c == "22P02" && strings.Contains(err.Error(), keysMoved):
+			// The function changed what idem_keys names (search_path, SET
+			// LOCAL or not): the response would be stored where the next
+			// claim does not look. Nothing committed, and the rollback
+			// undoes the change on the pooled connection.
+			return nil, fmt.Errorf("%w: %w", errFunctionMovedKeys, err)
+		case c == "22P02" && strings.Contains(err.Error(), tempShadow):
+			return nil, fmt.Errorf("%w: %w", errFunctionTempTable, err)
 		case c == "22P02" && strings.Contains(err.Error(), notClaimingTx):
 			// The function ended the claiming transaction and began
 			// another (COMMIT AND CHAIN, ROLLBACK AND CHAIN): TxStatus
@@ -1192,6 +1222,16 @@ func keyRowConflict(err error) bool {
 // notClaimingTx is in the message of StoreKey's failure when it runs in
 // another transaction than the one that claimed the key.
 const notClaimingTx = "idem: not the transaction that claimed the key"
+
+// keysMoved is in the message of StoreKey's (StoreNewKey's) failure when
+// idem_keys names another table than it did when the key was claimed.
+const keysMoved = "idem: the function made idem_keys name another table"
+
+// tempShadow is in the message of the failure of the statement sent before
+// the runtime's COMMIT (StoreKey, StoreNewKey, CheckOwnTransaction,
+// RestoreSession) when a temporary table has the name of one of the
+// runtime's tables: the temporary schema comes first in every search_path.
+const tempShadow = "idem: a temporary table hides a table of the runtime"
 
 // cancelledByCtx returns ctx's error wrapping err when ctx has ended and
 // err is the server's 57014 (query_canceled): with a pool whose context

@@ -160,3 +160,13 @@ func execOnly(br pgx.BatchResults) error {
 func CheckedCommit(ctx context.Context, tx pgx.Tx) error {
 	return commitAfter(ctx, tx, db.CheckOwnTransaction)
 }
+
+// SessionCommit commits tx, a transaction of a request without a key, in
+// one round trip with RestoreSession before the COMMIT: what the function
+// changed in the session's settings is put back, so that it does not
+// outlive its transaction on the pooled connection, and a temporary table
+// hiding one of the runtime's fails the statement and skips the COMMIT.
+// Errors are as CheckedCommit's.
+func SessionCommit(ctx context.Context, tx pgx.Tx) error {
+	return commitAfter(ctx, tx, db.RestoreSession)
+}
