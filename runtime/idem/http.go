@@ -609,7 +609,7 @@ func (h *HTTP) serve(ctx context.Context, ep Endpoint, in *request, call func(co
 			return nil, err
 		}
 		defer conn.Release()
-		defer rollback(ctx, tx) // after Commit this is a no-op
+		defer endTx(ctx, tx) // after the commit this sends nothing (SessionCommit leaves tx unaware of it)
 		return h.run(ctx, ep, in, tx, false, c, call)
 	}
 	stored := in.key.storageKey()
