@@ -39,7 +39,7 @@ SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), tr
 -- to set it. The session's lock_timeout is kept in idem.saved_lock_timeout
 -- for RestoreLockTimeout.
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
-       set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true),
+       set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')), true),
        set_config('idem.keys_rel', 'idem_keys'::regclass::oid::text, true),
        CASE WHEN @lock_timeout::text <> '' THEN set_config('lock_timeout', @lock_timeout::text, true) END,
        CASE WHEN @conn_check::text <> '' THEN set_config('client_connection_check_interval', @conn_check::text, true) END,
@@ -147,13 +147,14 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
             WHEN coalesce(current_setting('idem.keys_rel', true), '') NOT IN ('', 'idem_keys'::regclass::oid::text)
             THEN CAST(coalesce(current_setting('idem.keys_rel', true), '') || 'idem: the function made idem_keys name another table' AS boolean)
-            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                            CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                            CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                            CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
             WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                       ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                     to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -185,13 +186,14 @@ WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') =
            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
            WHEN coalesce(current_setting('idem.keys_rel', true), '') NOT IN ('', 'idem_keys'::regclass::oid::text)
            THEN CAST(coalesce(current_setting('idem.keys_rel', true), '') || 'idem: the function made idem_keys name another table' AS boolean)
-           WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+           WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                      THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                           CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                           CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                           CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                           CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                          CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                          CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
            WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                      ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                    to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -210,13 +212,14 @@ WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') =
 -- evaluated when the plan is made) skips the COMMIT.
 SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction the runtime began' AS boolean)
-            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                            CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                            CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                            CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
             WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                       ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                     to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -227,13 +230,14 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
 -- Sent in the COMMIT's round trip of a request without a key, before it:
 -- StoreKey's and CheckOwnTransaction's session part alone (see
 -- CheckOwnTransaction).
-SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                            CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                            CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                            CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
             WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                       ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                     to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -290,7 +294,7 @@ SELECT set_config('lock_timeout', @lock_timeout::text, true);
 -- SetTxSettings, which set none for the consumer either.
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
-           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true) AS session,
+           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')), true) AS session,
            CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
 )
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
@@ -309,7 +313,7 @@ ON CONFLICT (context, event_id) DO NOTHING;
 -- type", 0A000: the batch failed once on every connection).
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
-           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true) AS session,
+           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')), true) AS session,
            CASE WHEN @idle::text <> '' THEN set_config('idle_in_transaction_session_timeout', @idle::text, true) END AS idle
 )
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)

@@ -2,7 +2,9 @@ package idem_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -120,5 +122,45 @@ func TestHandlerTempTableRefused(t *testing.T) {
 	}
 	if n := pgtest.Count(t, pool, "SELECT count(*) FROM effects"); n != 1 {
 		t.Fatalf("%d effects, want 1", n)
+	}
+}
+
+// A handler's session-level SET ROLE to a role without rights on the
+// runtime's tables (its schema not even visible to it) stayed on the
+// pooled connection: every later record there waited as a storage outage
+// ("relation idem_processed_events does not exist"), no attempt used, for
+// as long as the connection lived. Now the runtime puts the role back.
+func TestHandlerSetRoleDoesNotOutliveRecord(t *testing.T) {
+	t.Parallel()
+	pool, store := oneConnConsumeDB(t)
+	role := fmt.Sprintf("sess_%d", time.Now().UnixNano())
+	pgtest.Exec(t, pool, "CREATE ROLE "+role)
+	pgtest.Exec(t, pool, "GRANT "+role+" TO current_user")
+	t.Cleanup(func() {
+		c, err := pgx.Connect(context.Background(), pgtest.BaseURL())
+		if err == nil {
+			_, _ = c.Exec(context.Background(), "DROP ROLE IF EXISTS "+role)
+			_ = c.Close(context.Background())
+		}
+	})
+	p := processor(t, store, 3)
+	h := handler(func(ctx context.Context, tx pgx.Tx, e event) error {
+		if err := insertEffect(ctx, tx, e); err != nil {
+			return err
+		}
+		if e.Note == "role" {
+			_, err := tx.Exec(ctx, "SET ROLE "+role)
+			return err
+		}
+		return nil
+	})
+	for i, v := range []string{`{"id":"e1","amount":1,"note":"role"}`, `{"id":"e2","amount":1}`} {
+		rec := &idem.Record{Topic: "events", Offset: int64(i), Value: []byte(v)}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		o, err := p.Process(ctx, &h, rec)
+		cancel()
+		if err != nil || o != idem.Applied {
+			t.Fatalf("record %d after a handler's SET ROLE: %v, %v; want applied", i, o, err)
+		}
 	}
 }

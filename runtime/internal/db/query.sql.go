@@ -108,13 +108,14 @@ func (q *Queries) AdminGetKey(ctx context.Context, arg AdminGetKeyParams) (Admin
 const CheckOwnTransaction = `-- name: CheckOwnTransaction :exec
 SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') = ''
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction the runtime began' AS boolean)
-            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                            CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                            CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                            CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
             WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                       ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                     to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -763,7 +764,7 @@ func (q *Queries) InsertDeadLetter(ctx context.Context, arg InsertDeadLetterPara
 const InsertProcessedEvent = `-- name: InsertProcessedEvent :execrows
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
-           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true) AS session,
+           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')), true) AS session,
            CASE WHEN $6::text <> '' THEN set_config('idle_in_transaction_session_timeout', $6::text, true) END AS idle
 )
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
@@ -812,7 +813,7 @@ func (q *Queries) InsertProcessedEvent(ctx context.Context, arg InsertProcessedE
 const InsertProcessedEvents = `-- name: InsertProcessedEvents :many
 WITH settings AS MATERIALIZED (
     SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS mark,
-           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true) AS session,
+           set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')), true) AS session,
            CASE WHEN $6::text <> '' THEN set_config('idle_in_transaction_session_timeout', $6::text, true) END AS idle
 )
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset)
@@ -1549,13 +1550,14 @@ func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
 }
 
 const RestoreSession = `-- name: RestoreSession :exec
-SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                            CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                            CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                            CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
             WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                       ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                     to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -1664,7 +1666,7 @@ func (q *Queries) SetSchemaVersion(ctx context.Context, digest string) error {
 
 const SetTxSettings = `-- name: SetTxSettings :exec
 SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true),
-       set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')), true),
+       set_config('idem.session', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')), true),
        set_config('idem.keys_rel', 'idem_keys'::regclass::oid::text, true),
        CASE WHEN $1::text <> '' THEN set_config('lock_timeout', $1::text, true) END,
        CASE WHEN $2::text <> '' THEN set_config('client_connection_check_interval', $2::text, true) END,
@@ -1704,13 +1706,14 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
             THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
             WHEN coalesce(current_setting('idem.keys_rel', true), '') NOT IN ('', 'idem_keys'::regclass::oid::text)
             THEN CAST(coalesce(current_setting('idem.keys_rel', true), '') || 'idem: the function made idem_keys name another table' AS boolean)
-            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+            WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                            CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                            CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                            CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                           CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
             WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                       ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                     to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
@@ -1775,13 +1778,14 @@ WHERE CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') =
            THEN CAST(coalesce(current_setting('idem.saved_lock_timeout', true), '') || 'idem: not the transaction that claimed the key' AS boolean)
            WHEN coalesce(current_setting('idem.keys_rel', true), '') NOT IN ('', 'idem_keys'::regclass::oid::text)
            THEN CAST(coalesce(current_setting('idem.keys_rel', true), '') || 'idem: the function made idem_keys name another table' AS boolean)
-           WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role')))
+           WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                      THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                           CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,
                           CASE WHEN current_setting('default_transaction_isolation') <> split_part(current_setting('idem.session'), chr(31), 3) THEN set_config('default_transaction_isolation', split_part(current_setting('idem.session'), chr(31), 3), false) END,
                           CASE WHEN current_setting('statement_timeout') <> split_part(current_setting('idem.session'), chr(31), 4) THEN set_config('statement_timeout', split_part(current_setting('idem.session'), chr(31), 4), false) END,
                           CASE WHEN current_setting('synchronous_commit') <> split_part(current_setting('idem.session'), chr(31), 5) THEN set_config('synchronous_commit', split_part(current_setting('idem.session'), chr(31), 5), false) END,
-                          CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END) IS NULL END THEN false
+                          CASE WHEN current_setting('session_replication_role') <> split_part(current_setting('idem.session'), chr(31), 6) THEN set_config('session_replication_role', split_part(current_setting('idem.session'), chr(31), 6), false) END,
+                    CASE WHEN current_setting('role') <> split_part(current_setting('idem.session'), chr(31), 7) THEN set_config('role', split_part(current_setting('idem.session'), chr(31), 7), false) END) IS NULL END THEN false
            WHEN CASE WHEN pg_my_temp_schema() = 0 THEN false
                      ELSE coalesce(to_regclass('pg_temp.idem_keys'), to_regclass('pg_temp.idem_processed_events'), to_regclass('pg_temp.idem_outbox'),
                                    to_regclass('pg_temp.idem_dead_letters'), to_regclass('pg_temp.idem_relay_leader')) IS NOT NULL END
