@@ -131,7 +131,10 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
 // committed or rolled back already, apart. Sent in the COMMIT's round trip,
 // before it, so that the failure (22P02, the message below; the text is
 // built from the setting so that it is not folded into a constant and
-// evaluated when the plan is made) skips the COMMIT.
+// evaluated when the plan is made) skips the COMMIT. It also puts back the
+// session settings the handler changed (saved in idem.session by
+// InsertProcessedEvent(s)) and refuses a temporary table named like a
+// runtime table, as StoreKey does.
 func (q *Queries) CheckOwnTransaction(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, CheckOwnTransaction)
 	return err
@@ -1685,7 +1688,12 @@ type SetTxSettingsParams struct {
 // it; CASE keeps an unset one from being touched at all, so a server that
 // does not know client_connection_check_interval only refuses it when asked
 // to set it. The session's lock_timeout is kept in idem.saved_lock_timeout
-// for RestoreLockTimeout.
+// for RestoreLockTimeout. idem.session keeps the session's settings that
+// the statement before the COMMIT puts back (search_path, the transaction
+// defaults, statement_timeout, synchronous_commit, session_replication_role,
+// role: what a function's SET, SET LOCAL or set_config changed must not
+// outlive its transaction on the pooled connection, see StoreKey), and
+// idem.keys_rel the idem_keys table the claim reads, which StoreKey checks.
 func (q *Queries) SetTxSettings(ctx context.Context, arg SetTxSettingsParams) error {
 	_, err := q.db.Exec(ctx, SetTxSettings, arg.LockTimeout, arg.ConnCheck, arg.Idle)
 	return err
@@ -1755,6 +1763,16 @@ type StoreKeyParams struct {
 // key's lock and left its work committed or rolled back elsewhere: the
 // statement fails (22P02, with a message the runtime recognises), which
 // undoes its INSERT too: nothing is stored and the COMMIT is skipped.
+// The second WHEN fails it the same way when idem_keys, as this statement
+// was planned, is not the table the claim read (idem.keys_rel): the
+// function changed search_path (SET, SET LOCAL, set_config) or made a
+// temporary idem_keys, and the key would be stored where the next claim
+// does not look. The third puts back the session settings saved in
+// idem.session (SetTxSettings) that the function changed, at session level,
+// so that none outlives the transaction (a CASE that is never true: only
+// its evaluation matters); the fourth fails when a temporary table has the
+// name of one of the runtime's tables (it would hide that table from every
+// later statement on the connection; the rollback drops it).
 func (q *Queries) StoreKey(ctx context.Context, arg StoreKeyParams) error {
 	_, err := q.db.Exec(ctx, StoreKey,
 		arg.Scope,
@@ -1818,7 +1836,8 @@ type StoreNewKeyParams struct {
 // StoreKey's ON CONFLICT waits). The WHERE is StoreKey's first WHEN: the
 // check that this is still the transaction that claimed the key (22P02,
 // with the same message, when not). The TTL counts from this statement,
-// as StoreKey's.
+// as StoreKey's. The other WHENs are StoreKey's (idem_keys moved, the
+// session's settings put back, a temporary table refused).
 func (q *Queries) StoreNewKey(ctx context.Context, arg StoreNewKeyParams) error {
 	_, err := q.db.Exec(ctx, StoreNewKey,
 		arg.Scope,
