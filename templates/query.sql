@@ -248,7 +248,11 @@ SELECT CASE WHEN coalesce(current_setting('idem.saved_lock_timeout', true), '') 
 -- name: RestoreSession :exec
 -- Sent in the COMMIT's round trip of a request without a key, before it:
 -- StoreKey's and CheckOwnTransaction's session part alone (see
--- CheckOwnTransaction).
+-- CheckOwnTransaction). The part is written out in each of these four
+-- statements, not called as a function of the runtime's schema: a function
+-- is found through search_path, which is what a function's SET may have
+-- moved. TestSessionGuardCopiesAgree (runtime/internal/dbx) keeps the
+-- copies the same.
 SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') NOT IN ('', concat_ws(chr(31), current_setting('search_path'), current_setting('default_transaction_read_only'), current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_setting('synchronous_commit'), current_setting('session_replication_role'), current_setting('role')))
                       THEN concat(CASE WHEN current_setting('search_path') <> split_part(current_setting('idem.session'), chr(31), 1) THEN set_config('search_path', split_part(current_setting('idem.session'), chr(31), 1), false) END,
                            CASE WHEN current_setting('default_transaction_read_only') <> split_part(current_setting('idem.session'), chr(31), 2) THEN set_config('default_transaction_read_only', split_part(current_setting('idem.session'), chr(31), 2), false) END,

@@ -1570,7 +1570,11 @@ SELECT CASE WHEN CASE WHEN coalesce(current_setting('idem.session', true), '') N
 
 // Sent in the COMMIT's round trip of a request without a key, before it:
 // StoreKey's and CheckOwnTransaction's session part alone (see
-// CheckOwnTransaction).
+// CheckOwnTransaction). The part is written out in each of these four
+// statements, not called as a function of the runtime's schema: a function
+// is found through search_path, which is what a function's SET may have
+// moved. TestSessionGuardCopiesAgree (runtime/internal/dbx) keeps the
+// copies the same.
 func (q *Queries) RestoreSession(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, RestoreSession)
 	return err
