@@ -30,6 +30,18 @@ SELECT (extract(epoch FROM current_setting('idle_in_transaction_session_timeout'
 -- name: RestoreLockTimeout :exec
 SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true);
 
+-- name: RestoreLockTimeoutSnapshot :one
+-- RestoreLockTimeout for a claim in a transaction begun with no isolation
+-- level (TxOptions{}), whose level is then the session's
+-- default_transaction_isolation: a server, a database or a role may make
+-- it repeatable read or serializable. snapshot reports that the
+-- transaction reads from a snapshot taken at its first statement, older
+-- than the claim's lock, so the claim checks the unique index before the
+-- function runs (ClaimKeyRow, in one more round trip, sent only then).
+-- Two columns, not one expression: AND may skip set_config.
+SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) AS lock_timeout,
+       current_setting('transaction_isolation') IN ('repeatable read', 'serializable') AS snapshot;
+
 -- name: SetTxSettings :exec
 -- The transaction's settings in one statement, sent with BEGIN (see
 -- SetLockTimeout, SetConnectionCheck and SetIdleInTransactionTimeout for
@@ -99,7 +111,9 @@ WHERE scope = @scope AND principal = @principal AND key = @key;
 -- name: ClaimKeyRow :exec
 -- Sent only when the transaction's snapshot is older than the claim's lock
 -- (repeatable read, serializable, or a custom BEGIN the runtime cannot
--- read), after GetKey. A row committed between that snapshot and the lock
+-- read), after GetKey: with the claim when TxOptions name the level, in a
+-- round trip of its own after it when the level is the session's default
+-- (RestoreLockTimeoutSnapshot). A row committed between that snapshot and the lock
 -- is invisible to ClaimKey and GetKey, which then see a free key; this
 -- INSERT finds it through the unique index and fails with a serialization
 -- failure (40001) before the function runs, so the function never runs a

@@ -40,7 +40,8 @@ func TestClaimStatementsLockOnlyATakenOverRow(t *testing.T) {
 	type claimFunc func(ctx context.Context, conn *pgx.Conn, arg db.ClaimKeyParams) (pgx.Tx, bool, bool, db.GetKeyRow, error)
 	pipelined := func(opts pgx.TxOptions) claimFunc {
 		return func(ctx context.Context, conn *pgx.Conn, arg db.ClaimKeyParams) (pgx.Tx, bool, bool, db.GetKeyRow, error) {
-			return dbx.BeginClaim(ctx, conn, opts, dbx.Settings{LockTimeout: claimTimeout}, arg)
+			tx, claimed, found, _, row, err := dbx.BeginClaim(ctx, conn, opts, dbx.Settings{LockTimeout: claimTimeout}, arg)
+			return tx, claimed, found, row, err
 		}
 	}
 	custom := func(ctx context.Context, conn *pgx.Conn, arg db.ClaimKeyParams) (pgx.Tx, bool, bool, db.GetKeyRow, error) {

@@ -717,7 +717,7 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 	// row, expired): StoreKey, as before StoreNewKey, takes an expired one
 	// over where StoreNewKey would fail again at every attempt until the
 	// wait ran out.
-	fresh := !c.found && !rowSeen && !dbx.SnapshotBeforeClaim(h.txOptions)
+	fresh := !c.found && !rowSeen && !c.rowChecked
 	return h.run(ctx, ep, in, tx, fresh, c, call)
 }
 
@@ -726,7 +726,10 @@ func (h *HTTP) attempt(ctx context.Context, ep Endpoint, in *request, stored Key
 // does not, the key is in flight in another transaction).
 type claimResult struct {
 	claimed, found bool
-	row            db.GetKeyRow
+	// rowChecked: the claim ran ClaimKeyRow (its snapshot predates the
+	// lock), which may have written a claim row for StoreKey to replace.
+	rowChecked bool
+	row        db.GetKeyRow
 	// sent and answered time the round trip(s) that began the transaction
 	// (see idleClock.began).
 	sent, answered time.Time
@@ -832,7 +835,7 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 			tx, err = dbx.Begin(ctx, conn, h.txOptions, s)
 			return tx, c, err
 		}
-		tx, c.claimed, c.found, c.row, err = dbx.BeginClaim(ctx, conn, h.txOptions, s, *claim)
+		tx, c.claimed, c.found, c.rowChecked, c.row, err = dbx.BeginClaim(ctx, conn, h.txOptions, s, *claim)
 		return tx, c, err
 	}
 	start := time.Now()
@@ -840,7 +843,8 @@ func (h *HTTP) beginOn(ctx context.Context, conn *pgx.Conn, s dbx.Settings, clai
 	if err != nil || claim == nil {
 		return tx, c, err
 	}
-	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, dbx.SnapshotBeforeClaim(h.txOptions), s.LockTimeout, start, *claim)
+	c.rowChecked = dbx.SnapshotBeforeClaim(h.txOptions)
+	c.claimed, c.found, c.row, err = dbx.ClaimKeyRestore(ctx, tx, c.rowChecked, s.LockTimeout, start, *claim)
 	return tx, c, err
 }
 

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"sort"
 	"strings"
 	"sync"
@@ -107,16 +108,21 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 		mode pgx.QueryExecMode
 		kill bool          // terminate a random replica backend every few milliseconds
 		ttl  time.Duration // 0: 40ms
+		// session: the replicas' default_transaction_isolation ("": the
+		// server's), the level of a transaction TxOptions name none for
+		session string
 	}{
-		{"read committed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, false, 0},
-		{"repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement, false, 0},
-		{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}, pgx.QueryExecModeCacheStatement, false, 0},
-		{"custom BeginQuery", pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL REPEATABLE READ"}, pgx.QueryExecModeCacheStatement, false, 0},
-		{"simple protocol", pgx.TxOptions{}, pgx.QueryExecModeSimpleProtocol, false, 0},
-		{"exec, repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeExec, false, 0},
-		{"read committed, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, 0},
-		{"repeatable read, backends killed", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement, true, 0},
-		{"no expiry, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, time.Hour},
+		{"read committed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, false, 0, ""},
+		{"repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement, false, 0, ""},
+		{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}, pgx.QueryExecModeCacheStatement, false, 0, ""},
+		{"custom BeginQuery", pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL REPEATABLE READ"}, pgx.QueryExecModeCacheStatement, false, 0, ""},
+		{"simple protocol", pgx.TxOptions{}, pgx.QueryExecModeSimpleProtocol, false, 0, ""},
+		{"exec, repeatable read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeExec, false, 0, ""},
+		{"read committed, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, 0, ""},
+		{"repeatable read, backends killed", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, pgx.QueryExecModeCacheStatement, true, 0, ""},
+		{"no expiry, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, time.Hour, ""},
+		{"session default repeatable read", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, false, 0, "repeatable read"},
+		{"session default serializable, backends killed", pgx.TxOptions{}, pgx.QueryExecModeCacheStatement, true, 0, "serializable"},
 	}
 	for _, lv := range levels {
 		t.Run(lv.name, func(t *testing.T) {
@@ -127,7 +133,11 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 			var calls atomic.Int64
 			var srvs []*httptest.Server
 			for range 3 {
-				srvs = append(srvs, stormReplica(t, dbURL, idem.HTTPConfig{TxOptions: lv.opts}, ep, lv.mode, &calls))
+				u := dbURL
+				if lv.session != "" {
+					u += "&default_transaction_isolation=" + url.PathEscape(lv.session)
+				}
+				srvs = append(srvs, stormReplica(t, u, idem.HTTPConfig{TxOptions: lv.opts}, ep, lv.mode, &calls))
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			var wg sync.WaitGroup
@@ -188,6 +198,12 @@ func TestAttackStormAcrossReplicas(t *testing.T) {
 				if code != http.StatusOK && code != http.StatusConflict && code != http.StatusServiceUnavailable {
 					t.Errorf("%d answers were %d", n, code)
 				}
+			}
+			if statuses[http.StatusOK] == 0 {
+				// A storm that reached no function checks nothing below
+				// (a replica whose every connection failed answered 503
+				// throughout, and passed).
+				t.Errorf("no request was answered 200: %v", statuses)
 			}
 			// The order is checked on ran_at, the time each function ran,
 			// not on its transaction's start (now()): a backend delayed

@@ -201,7 +201,9 @@ type ClaimKeyRowParams struct {
 
 // Sent only when the transaction's snapshot is older than the claim's lock
 // (repeatable read, serializable, or a custom BEGIN the runtime cannot
-// read), after GetKey. A row committed between that snapshot and the lock
+// read), after GetKey: with the claim when TxOptions name the level, in a
+// round trip of its own after it when the level is the session's default
+// (RestoreLockTimeoutSnapshot). A row committed between that snapshot and the lock
 // is invisible to ClaimKey and GetKey, which then see a free key; this
 // INSERT finds it through the unique index and fails with a serialization
 // failure (40001) before the function runs, so the function never runs a
@@ -1550,6 +1552,31 @@ SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), tr
 func (q *Queries) RestoreLockTimeout(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, RestoreLockTimeout)
 	return err
+}
+
+const RestoreLockTimeoutSnapshot = `-- name: RestoreLockTimeoutSnapshot :one
+SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) AS lock_timeout,
+       current_setting('transaction_isolation') IN ('repeatable read', 'serializable') AS snapshot
+`
+
+type RestoreLockTimeoutSnapshotRow struct {
+	LockTimeout string
+	Snapshot    bool
+}
+
+// RestoreLockTimeout for a claim in a transaction begun with no isolation
+// level (TxOptions{}), whose level is then the session's
+// default_transaction_isolation: a server, a database or a role may make
+// it repeatable read or serializable. snapshot reports that the
+// transaction reads from a snapshot taken at its first statement, older
+// than the claim's lock, so the claim checks the unique index before the
+// function runs (ClaimKeyRow, in one more round trip, sent only then).
+// Two columns, not one expression: AND may skip set_config.
+func (q *Queries) RestoreLockTimeoutSnapshot(ctx context.Context) (RestoreLockTimeoutSnapshotRow, error) {
+	row := q.db.QueryRow(ctx, RestoreLockTimeoutSnapshot)
+	var i RestoreLockTimeoutSnapshotRow
+	err := row.Scan(&i.LockTimeout, &i.Snapshot)
+	return i, err
 }
 
 const RestoreSession = `-- name: RestoreSession :exec

@@ -75,8 +75,8 @@ func beginSQL(opts pgx.TxOptions) string {
 // holds the key (its advisory lock) and that no live row answers it: the
 // function is to run, and StoreKey writes the row at completion (found then
 // tells whether an expired row is being taken over: such a row is locked
-// before ClaimKeyRestore returns, in a second round trip, lockTakenOver,
-// whose lock wait is bounded by what is left of lockTimeout, counted from
+// before ClaimKeyRestore returns, in a second round trip,
+// afterClaim, whose lock wait is bounded by what is left of lockTimeout, counted from
 // since, when the transaction's BEGIN set it). Otherwise found reports
 // whether row, the key's row, exists: live, it is the stored response;
 // absent or expired, the key is in flight in another transaction. GetKey runs after ClaimKey took the lock, so under
@@ -88,13 +88,13 @@ func beginSQL(opts pgx.TxOptions) string {
 func ClaimKeyRestore(ctx context.Context, tx pgx.Tx, rowCheck bool, lockTimeout time.Duration, since time.Time, arg db.ClaimKeyParams) (claimed, found bool, row db.GetKeyRow, err error) {
 	b := &pgx.Batch{}
 	var locked bool
-	queueClaim(b, arg, rowCheck, &locked, &found, &row)
+	queueClaim(b, arg, rowCheck, false, &locked, &found, nil, &row)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return false, false, db.GetKeyRow{}, err
 	}
 	claimed = locked && !(found && row.Live)
 	if claimed && found {
-		if err := lockTakenOver(ctx, tx, left(lockTimeout, since), arg); err != nil {
+		if err := afterClaim(ctx, tx, left(lockTimeout, since), arg, true, false); err != nil {
 			return false, false, db.GetKeyRow{}, err
 		}
 	}

@@ -98,29 +98,37 @@ func Begin(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings) 
 // claim of ClaimKeyRestore in the same round trip: BEGIN, the settings,
 // ClaimKey, GetKey, [ClaimKeyRow] and RestoreLockTimeout are pipelined, so a
 // replay is answered after one round trip and a first request's function
-// runs after one. Only the rare claim that takes over an expired row costs
-// a second round trip, lockTakenOver, bounded by what is left of
-// s.LockTimeout. opts must be Pipelined. The results are as
-// ClaimKeyRestore's; on error the returned transaction, when not nil, must
-// still be rolled back, as Begin's.
-func BeginClaim(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings, arg db.ClaimKeyParams) (tx pgx.Tx, claimed, found bool, row db.GetKeyRow, err error) {
+// runs after one. Only two rare claims cost a second round trip
+// (afterClaim), bounded by what is left of s.LockTimeout: one that takes
+// over an expired row, and one in a transaction whose isolation level is
+// the session's default (opts name none) when that default turns out to be
+// repeatable read or serializable, which checks the unique index then
+// (ClaimKeyRow). opts must be Pipelined. The results are as
+// ClaimKeyRestore's, and rowChecked reports that ClaimKeyRow ran: the key
+// may have a claim row this transaction wrote, which StoreKey (not
+// StoreNewKey) replaces. On error the returned transaction, when not nil,
+// must still be rolled back, as Begin's.
+func BeginClaim(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, s Settings, arg db.ClaimKeyParams) (tx pgx.Tx, claimed, found, rowChecked bool, row db.GetKeyRow, err error) {
 	start := time.Now()
 	b := &pgx.Batch{}
 	queueBegin(b, opts, s)
-	var locked bool
-	queueClaim(b, arg, SnapshotBeforeClaim(opts), &locked, &found, &row)
+	var locked, snapshot bool
+	rowChecked = SnapshotBeforeClaim(opts)
+	levelUnknown := opts.IsoLevel == "" // (and no BeginQuery: Pipelined)
+	queueClaim(b, arg, rowChecked, levelUnknown, &locked, &found, &snapshot, &row)
 	br := conn.SendBatch(ctx, b)
 	if err := br.Close(); err != nil {
-		return br.Tx(), false, false, db.GetKeyRow{}, err
+		return br.Tx(), false, false, false, db.GetKeyRow{}, err
 	}
 	tx = br.Tx()
 	claimed = locked && !(found && row.Live)
-	if claimed && found {
-		if err := lockTakenOver(ctx, tx, left(s.LockTimeout, start), arg); err != nil {
-			return tx, false, false, db.GetKeyRow{}, err
+	checkRow := claimed && snapshot && !rowChecked
+	if claimed && (found || checkRow) {
+		if err := afterClaim(ctx, tx, left(s.LockTimeout, start), arg, found, checkRow); err != nil {
+			return tx, false, false, false, db.GetKeyRow{}, err
 		}
 	}
-	return tx, claimed, found, row, nil
+	return tx, claimed, found, rowChecked || checkRow, row, nil
 }
 
 // left is what remains of the bound d, counted from start, at least 1ms (0
@@ -149,10 +157,14 @@ func SnapshotBeforeClaim(opts pgx.TxOptions) bool {
 // read. The caller's claim is locked && !(found && row.Live): a live row
 // GetKey sees is the key's answer even when the lock was free (it was
 // completed between ClaimKey's snapshot and the lock). With rowCheck
-// (SnapshotBeforeClaim), ClaimKeyRow follows GetKey. No statement here locks
-// a row: a claim that takes over an expired row locks it next, in a round
-// trip of its own (lockTakenOver).
-func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, found *bool, row *db.GetKeyRow) {
+// (SnapshotBeforeClaim), ClaimKeyRow follows GetKey. With levelUnknown (the
+// transaction's isolation level is the session's default), the lock
+// timeout is put back by RestoreLockTimeoutSnapshot, which sets snapshot
+// when that level reads from a snapshot older than the lock: the caller
+// then sends ClaimKeyRow itself (afterClaim) before the function runs. No
+// statement here locks a row: a claim that takes over an expired row locks
+// it next, in a round trip of its own (afterClaim).
+func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck, levelUnknown bool, locked, found, snapshot *bool, row *db.GetKeyRow) {
 	// Boxed once for the statements that share them.
 	scope, principal, key, lockID := any(arg.Scope), any(arg.Principal), any(arg.Key), any(arg.LockID)
 	b.Queue(db.ClaimKey, scope, principal, key, lockID).QueryRow(func(r pgx.Row) error {
@@ -169,26 +181,47 @@ func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck bool, locked, foun
 	if rowCheck {
 		b.Queue(db.ClaimKeyRow, scope, principal, key, lockID)
 	}
-	b.Queue(db.RestoreLockTimeout)
+	if !levelUnknown {
+		b.Queue(db.RestoreLockTimeout)
+		return
+	}
+	b.Queue(db.RestoreLockTimeoutSnapshot).QueryRow(func(r pgx.Row) error {
+		var restored string
+		return r.Scan(&restored, snapshot)
+	})
 }
 
-// lockTakenOver locks the expired row of the key this transaction claimed
-// (LockExpiredKey), in one round trip sent only for such a takeover, the
-// rare reuse of a key after its TTL: the function must not start before
-// the row is locked, or StoreKey, replacing the row at completion, could
-// wait on a row lock held elsewhere (a purge deleting the expired row) with
-// no bound but the session's. Here the wait is bounded by lockTimeout, set
-// with SetLockTimeout before and put back with RestoreLockTimeout after,
-// all pipelined; a lock_timeout (55P03) fails the claim as one in the
-// claim's own round trip does. A purge that deleted the row in between
-// leaves nothing to lock, and StoreKey inserts. With lockTimeout 0 the
-// session's lock_timeout applies, as it did to the claim.
-func lockTakenOver(ctx context.Context, tx pgx.Tx, lockTimeout time.Duration, arg db.ClaimKeyParams) error {
+// afterClaim runs what a claim needs before its function may run, in one
+// round trip sent only when there is something to do:
+//
+//   - lockRow: lock the expired row of the key this transaction claimed
+//     (LockExpiredKey), the rare reuse of a key after its TTL. The function
+//     must not start before the row is locked, or StoreKey, replacing the
+//     row at completion, could wait on a row lock held elsewhere (a purge
+//     deleting the expired row) with no bound but the session's. A purge
+//     that deleted the row in between leaves nothing to lock, and StoreKey
+//     inserts.
+//   - checkRow: ClaimKeyRow, for a transaction whose snapshot turned out to
+//     predate the claim's lock (the session's default isolation level is
+//     repeatable read or serializable): a row completed between the two
+//     fails it with 40001, as in a claim that sent it in its own round
+//     trip, instead of the function running for a completed key.
+//
+// The waits are bounded by lockTimeout, set with SetLockTimeout before and
+// put back with RestoreLockTimeout after, all pipelined; a lock_timeout
+// (55P03) fails the claim as one in the claim's own round trip does. With
+// lockTimeout 0 the session's lock_timeout applies, as it did to the claim.
+func afterClaim(ctx context.Context, tx pgx.Tx, lockTimeout time.Duration, arg db.ClaimKeyParams, lockRow, checkRow bool) error {
 	b := &pgx.Batch{}
 	if lockTimeout > 0 {
 		b.Queue(db.SetLockTimeout, ms(lockTimeout))
 	}
-	b.Queue(db.LockExpiredKey, arg.Scope, arg.Principal, arg.Key, arg.LockID)
+	if lockRow {
+		b.Queue(db.LockExpiredKey, arg.Scope, arg.Principal, arg.Key, arg.LockID)
+	}
+	if checkRow {
+		b.Queue(db.ClaimKeyRow, arg.Scope, arg.Principal, arg.Key, arg.LockID)
+	}
 	if lockTimeout > 0 {
 		b.Queue(db.RestoreLockTimeout)
 	}
