@@ -45,6 +45,24 @@ func New(pool *pgxpool.Pool) *Admin {
 	return &Admin{pool: pool, q: db.New(pool), store: idem.NewStore(pool)}
 }
 
+// readCommitted is the isolation level of every transaction of Admin that
+// writes or locks: whatever the session's default_transaction_isolation
+// (a server, database or role may make it repeatable read or
+// serializable). Their statements wait on row locks held by a concurrent
+// replay, requeue or request and must then read what that transaction
+// left (a dead letter marked replayed: nothing to do); under a snapshot
+// level PostgreSQL refuses that with a serialization failure (40001), and
+// a second operator's replay, a discard racing a replay, or a purge by id
+// racing a requeue failed instead of finding nothing left to do
+// (TestSessionDefaultIsolationOperatorRaces).
+var readCommitted = pgx.TxOptions{IsoLevel: pgx.ReadCommitted}
+
+// inReadCommitted runs fn in one read committed transaction (see
+// readCommitted) and commits it.
+func (a *Admin) inReadCommitted(ctx context.Context, fn func(q *db.Queries) error) error {
+	return pgx.BeginTxFunc(ctx, a.pool, readCommitted, func(tx pgx.Tx) error { return fn(db.New(tx)) })
+}
+
 // OutboxStatus is the outbox at a glance.
 type OutboxStatus struct {
 	// Rows per state.
@@ -194,7 +212,7 @@ func (a *Admin) RequeueParkedBatch(ctx context.Context, f OutboxFilter, batchSiz
 	if batchSize <= 0 {
 		return 0, 0, errors.New("requeue parked outbox rows: batch size must be positive")
 	}
-	tx, err := a.pool.Begin(ctx)
+	tx, err := a.pool.BeginTx(ctx, readCommitted)
 	if err != nil {
 		return 0, 0, fmt.Errorf("requeue parked outbox rows: begin: %w", err)
 	}
@@ -284,7 +302,12 @@ func (a *Admin) CountParkedUnknownTime(ctx context.Context) (int64, error) {
 // event is lost), and returns 1, or 0 when the row is not PARKED or does
 // not exist (OutboxRowStatus says which).
 func (a *Admin) PurgeParked(ctx context.Context, id int64) (int64, error) {
-	n, err := a.q.DeleteParkedOutboxByID(ctx, id)
+	var n int64
+	err := a.inReadCommitted(ctx, func(q *db.Queries) error {
+		var err error
+		n, err = q.DeleteParkedOutboxByID(ctx, id)
+		return err
+	})
 	if err != nil {
 		return 0, fmt.Errorf("purge parked outbox row %d: %w", id, err)
 	}
@@ -325,7 +348,7 @@ func (a *Admin) PurgeOutboxBatch(ctx context.Context, status string, before time
 	// statement finished returned the context's error for a batch the
 	// server had committed, and idemctl reported 1,000 rows fewer than it
 	// had deleted, every time.
-	tx, err := a.pool.Begin(ctx)
+	tx, err := a.pool.BeginTx(ctx, readCommitted)
 	if err != nil {
 		return 0, fmt.Errorf("purge %s outbox rows: begin: %w", status, err)
 	}
@@ -497,7 +520,12 @@ func (a *Admin) ProcessedEventsKeptSince(ctx context.Context) (time.Time, bool, 
 // DiscardDeadLetter deletes dead letter id. It reports whether there was
 // one: discarding twice is not an error.
 func (a *Admin) DiscardDeadLetter(ctx context.Context, id int64) (bool, error) {
-	n, err := a.q.DeleteDeadLetter(ctx, id)
+	var n int64
+	err := a.inReadCommitted(ctx, func(q *db.Queries) error {
+		var err error
+		n, err = q.DeleteDeadLetter(ctx, id)
+		return err
+	})
 	if err != nil {
 		return false, fmt.Errorf("discard dead letter %d: %w", id, err)
 	}
@@ -549,7 +577,12 @@ func (a *Admin) markedReplayed(ctx context.Context, id int64) (bool, error) {
 	defer cancel()
 	// Under a share lock: a plain read while the replay's COMMIT was still
 	// on its way read the mark unset, and the COMMIT landed after it.
-	at, err := a.q.DeadLetterReplayedAfterLock(rctx, id)
+	var at pgtype.Timestamptz
+	err := a.inReadCommitted(rctx, func(q *db.Queries) error {
+		var err error
+		at, err = q.DeadLetterReplayedAfterLock(rctx, id)
+		return err
+	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil // discarded since: not marked by this replay
 	}
@@ -612,7 +645,7 @@ func (a *Admin) ReplayDeadLetter(ctx context.Context, id int64, produce Producer
 		return false, fmt.Errorf("replay dead letter %d: %w (%d names, %d values); nothing produced",
 			id, ErrUnpairedHeaders, len(d.Headers)+len(d.UnpairedHeaderKeys), len(d.Headers)+len(d.UnpairedHeaderValues))
 	}
-	tx, err := a.pool.Begin(ctx)
+	tx, err := a.pool.BeginTx(ctx, readCommitted)
 	if err != nil {
 		return false, fmt.Errorf("replay dead letter %d: begin: %w", id, err)
 	}
@@ -695,7 +728,7 @@ type KeyInfo struct {
 func (a *Admin) Key(ctx context.Context, ref KeyRef) (KeyInfo, error) {
 	var info KeyInfo
 	st := ref.stored()
-	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, a.pool, readCommitted, func(tx pgx.Tx) error {
 		r, err := db.New(tx).AdminGetKey(ctx, db.AdminGetKeyParams{Scope: st.Scope, Principal: st.Principal, Key: st.Key})
 		if err != nil {
 			return err
@@ -715,7 +748,7 @@ func (a *Admin) Key(ctx context.Context, ref KeyRef) (KeyInfo, error) {
 // refused with ErrInFlight: the row is locked with NOWAIT, never waited on.
 // A missing key is ErrNotFound, so releasing twice is harmless.
 func (a *Admin) ReleaseKey(ctx context.Context, ref KeyRef) error {
-	err := pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, a.pool, readCommitted, func(tx pgx.Tx) error {
 		q := db.New(tx)
 		st := ref.stored()
 		p := db.LockKeyNowaitParams{Scope: st.Scope, Principal: st.Principal, Key: st.Key}
