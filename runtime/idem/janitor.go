@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -214,27 +215,32 @@ func (j *Janitor) RunOnce(ctx context.Context) (run JanitorRun, err error) {
 	}
 	defer unlockJanitor(ctx, conn, j.cfg.Logger)
 
-	// Batches run on the locked connection: each DELETE is one statement
-	// outside any explicit transaction, so it commits on its own.
+	// Batches run on the locked connection, each DELETE in a transaction
+	// of its own at read committed whatever the session's
+	// default_transaction_isolation: the DELETEs skip rows locked by
+	// requests (SKIP LOCKED) and re-check a row another transaction changed
+	// and committed after the statement began (a key taken over and live
+	// again), which repeatable read and serializable refuse with 40001 and
+	// which failed the whole run (TestSessionDefaultIsolationJanitorRacingATakeover).
 	kinds := []struct {
 		name    string
 		age     time.Duration
 		deleted *int64
-		batch   func(ctx context.Context) (int64, error)
+		batch   func(ctx context.Context, q *db.Queries) (int64, error)
 	}{
-		{"expired keys", j.cfg.ExpiredKeyAge, &run.ExpiredKeys, func(ctx context.Context) (int64, error) {
+		{"expired keys", j.cfg.ExpiredKeyAge, &run.ExpiredKeys, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteKeysExpiredAgo(ctx, db.DeleteKeysExpiredAgoParams{
 				GraceSeconds: j.cfg.ExpiredKeyAge.Seconds(), BatchSize: int32(j.cfg.BatchSize)})
 		}},
-		{"processed events", j.cfg.ProcessedEventAge, &run.ProcessedEvents, func(ctx context.Context) (int64, error) {
+		{"processed events", j.cfg.ProcessedEventAge, &run.ProcessedEvents, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteProcessedEventsBefore(ctx, db.DeleteProcessedEventsBeforeParams{
 				Before: before(j.cfg.ProcessedEventAge), BatchSize: int32(j.cfg.BatchSize)})
 		}},
-		{"published outbox rows", j.cfg.PublishedOutboxAge, &run.PublishedOutbox, func(ctx context.Context) (int64, error) {
+		{"published outbox rows", j.cfg.PublishedOutboxAge, &run.PublishedOutbox, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeletePublishedOutbox(ctx, db.DeletePublishedOutboxParams{
 				Before: before(j.cfg.PublishedOutboxAge), BatchSize: int32(j.cfg.BatchSize)})
 		}},
-		{"dead letters", j.cfg.DeadLetterAge, &run.DeadLetters, func(ctx context.Context) (int64, error) {
+		{"dead letters", j.cfg.DeadLetterAge, &run.DeadLetters, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteDeadLettersBefore(ctx, db.DeleteDeadLettersBeforeParams{
 				Before: before(j.cfg.DeadLetterAge), BatchSize: int32(j.cfg.BatchSize)})
 		}},
@@ -247,7 +253,7 @@ func (j *Janitor) RunOnce(ctx context.Context) (run JanitorRun, err error) {
 			if err := ctx.Err(); err != nil {
 				return run, err
 			}
-			n, err := k.batch(ctx)
+			n, err := j.batch(ctx, conn, k.batch)
 			if err != nil {
 				if ctxErr := ctx.Err(); ctxErr != nil {
 					return run, ctxErr
@@ -266,6 +272,29 @@ func (j *Janitor) RunOnce(ctx context.Context) (run JanitorRun, err error) {
 
 // before is now minus age, on the application's clock. (Keys use the
 // database's clock: see DeleteKeysExpiredAgo.)
+// batch runs one batch on conn in a read committed transaction of its own.
+func (j *Janitor) batch(ctx context.Context, conn *pgxpool.Conn, fn func(context.Context, *db.Queries) (int64, error)) (int64, error) {
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return 0, err
+	}
+	n, err := fn(ctx, db.New(tx))
+	if err != nil {
+		rollback(ctx, tx)
+		return 0, err
+	}
+	// A batch whose DELETE completed commits even if ctx ended meanwhile,
+	// as the statement alone (autocommit) did: a cancellation stops the
+	// run after the batch in progress, not in its COMMIT.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	if err := tx.Commit(cctx); err != nil {
+		rollback(ctx, tx)
+		return 0, err
+	}
+	return n, nil
+}
+
 func before(age time.Duration) pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: time.Now().Add(-age), Valid: true}
 }

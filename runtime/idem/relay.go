@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
@@ -940,8 +941,14 @@ func (s *Store) requeueParked(ctx context.Context, p db.RequeueParkedOutboxParam
 	return n, nil
 }
 
+// inTx runs fn in a transaction at read committed, whatever the session's
+// default_transaction_isolation: under serializable the requeue's read of
+// the parked rows took part in read/write dependencies with the relay's
+// claims and failed with 40001 (TestRequeueParkedRacingRelay with a
+// serializable default), an operator's command refused for the relay's
+// doing.
 func inTx(ctx context.Context, pool *pgxpool.Pool, fn func(*db.Queries) error) error {
-	tx, err := pool.Begin(ctx)
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,152 @@
+package idem_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemgen/idemgen/internal/pgtest"
+	"github.com/idemgen/idemgen/runtime/idem"
+)
+
+// Outside review (isoattack): the janitor with the session's
+// default_transaction_isolation at repeatable read or serializable. Its
+// DELETE of expired keys skips a row a takeover holds (SKIP LOCKED), and
+// under read committed re-checks a row a takeover completed meanwhile; a
+// snapshot level refuses the latter with 40001, which failed the whole run
+// ("retrying at the next interval", 5 minutes by default), the processed
+// events, published outbox rows and dead letters after it not purged.
+//
+// The window is made wide: the takeover's transaction holds a SHARE lock on
+// idem_keys, which the janitor's DELETE waits for after its snapshot (its
+// statements prepared by a first run, as on a long-lived connection).
+func TestSessionDefaultIsolationJanitorRacingATakeover(t *testing.T) {
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			url := pgtest.Schema(t)
+			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+				c.MaxConns = 1
+			})
+			other := pgtest.PoolURL(t, url, nil)
+			ctx := context.Background()
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			j, err := idem.NewJanitor(idem.NewStore(pool), idem.JanitorConfig{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := j.RunOnce(ctx); err != nil { // prepares its statements
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, other, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, expires_at)
+VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p', 'old', '\x00', 200, now() - interval '1 minute');
+INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset, processed_at)
+VALUES ('c', 'e', 't', 0, 1, now() - interval '8 days')`)
+			// A request takes 'taken' over and completes it.
+			tx, err := other.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx)
+			if _, err := tx.Exec(ctx, `UPDATE idem_keys SET expires_at = now() + interval '1 hour' WHERE key = 'taken'`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `LOCK TABLE idem_keys IN SHARE MODE`); err != nil {
+				t.Fatal(err)
+			}
+			type result struct {
+				run idem.JanitorRun
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				run, err := j.RunOnce(ctx)
+				done <- result{run, err}
+			}()
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE relation = 'idem_keys'::regclass AND NOT granted`) > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the janitor never waited for idem_keys")
+				}
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			r := <-done
+			if r.err != nil {
+				t.Fatalf("janitor run racing a takeover: %v", r.err)
+			}
+			if n := pgtest.Count(t, other, `SELECT count(*) FROM idem_keys WHERE key = 'taken'`); n != 1 {
+				t.Fatal("the janitor deleted a key taken over and live again")
+			}
+			if n := pgtest.Count(t, other, `SELECT count(*) FROM idem_keys WHERE key = 'old'`); n != 0 {
+				t.Fatal("the janitor kept an expired key")
+			}
+			if n := pgtest.Count(t, other, `SELECT count(*) FROM idem_processed_events`); n != 0 {
+				t.Fatal("the janitor kept an old processed event")
+			}
+		})
+	}
+}
+
+// Outside review (isoattack): Store.RequeueAllParked with the session's
+// default isolation at repeatable read or serializable, waiting on a parked
+// row that another requeue returns to PENDING: under read committed it
+// re-checks the row and requeues nothing; a snapshot level refused it with
+// 40001, an operator's requeue failed for a race it was meant to lose
+// quietly (under serializable it also failed with "read/write
+// dependencies" against the relay's claims: TestRequeueParkedRacingRelay
+// with DATABASE_URL ...&default_transaction_isolation=serializable).
+func TestSessionDefaultIsolationRequeueRacingARequeue(t *testing.T) {
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			url := pgtest.Schema(t)
+			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+			})
+			other := pgtest.PoolURL(t, url, nil)
+			ctx := context.Background()
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, other, `INSERT INTO idem_outbox (topic, payload, status, parked_at) VALUES ('t', 'p', 'PARKED', now())`)
+			tx, err := other.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx)
+			if _, err := tx.Exec(ctx, `UPDATE idem_outbox SET status = 'PENDING', parked_at = NULL WHERE status = 'PARKED'`); err != nil {
+				t.Fatal(err)
+			}
+			type result struct {
+				n   int64
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				n, err := idem.NewStore(pool).RequeueAllParked(ctx)
+				done <- result{n, err}
+			}()
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted`) > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the requeue never waited for the row")
+				}
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if r := <-done; r.err != nil || r.n != 0 {
+				t.Fatalf("requeue racing a requeue: %d, %v; want 0 rows, no error", r.n, r.err)
+			}
+		})
+	}
+}
