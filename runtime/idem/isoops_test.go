@@ -150,3 +150,42 @@ func TestSessionDefaultIsolationRequeueRacingARequeue(t *testing.T) {
 		})
 	}
 }
+
+// Outside review (isoattack): processes starting at once call Migrate on a
+// new schema with the session's default isolation at repeatable read or
+// serializable. One applies the schema; the others wait for its advisory
+// lock, which their transaction requested after taking its snapshot, so
+// they read no schema version and apply the schema again, which fails
+// ("migrate: apply schema: ERROR: relation \"idem_keys_expires_at\" already
+// exists (SQLSTATE 42P07)"): all replicas but one failed to start.
+func TestSessionDefaultIsolationConcurrentMigrate(t *testing.T) {
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			url := pgtest.Schema(t)
+			const n = 4
+			pools := make([]*pgxpool.Pool, n)
+			for i := range pools {
+				pools[i] = pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+					c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+				})
+				if err := pools[i].Ping(context.Background()); err != nil {
+					t.Fatal(err)
+				}
+			}
+			start := make(chan struct{})
+			errs := make(chan error, n)
+			for _, p := range pools {
+				go func() {
+					<-start
+					errs <- idem.Migrate(context.Background(), p)
+				}()
+			}
+			close(start)
+			for range n {
+				if err := <-errs; err != nil {
+					t.Errorf("concurrent Migrate: %v", err)
+				}
+			}
+		})
+	}
+}

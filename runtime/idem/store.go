@@ -80,9 +80,15 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	}
 }
 
-// migrate is one attempt of Migrate, in one transaction.
+// migrate is one attempt of Migrate, in one transaction. It runs at read
+// committed whatever the session's default_transaction_isolation: the
+// version read after the advisory lock must see what the process that held
+// it committed, and under repeatable read or serializable the snapshot,
+// taken by the lock's statement before its wait, did not (the schema
+// applied again failed: 42P07 "relation idem_keys_expires_at already
+// exists", or 40001 recording the version; TestSessionDefaultIsolationConcurrentMigrate).
 func migrate(ctx context.Context, pool *pgxpool.Pool, want string) error {
-	tx, err := pool.Begin(ctx)
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return fmt.Errorf("migrate: begin: %w", err)
 	}
