@@ -2,6 +2,8 @@ package idem_test
 
 import (
 	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -185,6 +187,68 @@ func TestSessionDefaultIsolationConcurrentMigrate(t *testing.T) {
 				if err := <-errs; err != nil {
 					t.Errorf("concurrent Migrate: %v", err)
 				}
+			}
+		})
+	}
+}
+
+// Outside review (isoattack): a standby relay with the session's default
+// isolation at repeatable read or serializable, whose lease statement
+// waits on the lease row while the leader renews it. Its transaction's
+// snapshot (taken by SetRelayStatementTimeout, a round trip earlier) is
+// older than the renewal, and AcquireRelayLease's ON CONFLICT DO UPDATE
+// failed with 40001, logged as "relay lease: cannot reach the database;
+// retrying" (a warning about a database that answered) and backed off,
+// where read committed re-checks the row and stands by.
+func TestSessionDefaultIsolationStandbyRacingARenewal(t *testing.T) {
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			url := pgtest.Schema(t)
+			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+			})
+			other := pgtest.PoolURL(t, url, nil)
+			ctx := context.Background()
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, other, `INSERT INTO idem_relay_leader (name, holder, token, expires_at) VALUES ('idem_outbox', 'leader', 'tok', now() + interval '1 minute')`)
+			renewal, err := other.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer renewal.Rollback(ctx)
+			if _, err := renewal.Exec(ctx, `UPDATE idem_relay_leader SET expires_at = now() + interval '1 minute' WHERE name = 'idem_outbox'`); err != nil {
+				t.Fatal(err)
+			}
+			var logs syncBuffer
+			relay, err := idem.NewRelay(idem.NewStore(pool), ackAllBut{}, idem.RelayConfig{
+				PollInterval: 20 * time.Millisecond,
+				Logger:       slog.New(slog.NewTextHandler(&logs, nil)),
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rctx, cancel := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- relay.Run(rctx) }()
+			defer func() { cancel(); <-done }()
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted`) > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the standby never waited on the lease row")
+				}
+			}
+			if err := renewal.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, func() bool {
+				return strings.Contains(logs.String(), "relay standing by") || strings.Contains(logs.String(), "cannot reach")
+			})
+			if s := logs.String(); strings.Contains(s, "cannot reach the database") {
+				t.Fatalf("a standby racing the leader's renewal:\n%s", s)
 			}
 		})
 	}

@@ -303,11 +303,17 @@ func (r *Relay) leaseTimeout() time.Duration { return min(r.cfg.DBTimeout, r.cfg
 
 // inLeaseTx runs fn in a transaction bounded by leaseTimeout on the client
 // (a fresh context: a cancelled caller must not stop a lease statement
-// half-way) and by statement_timeout on the server.
+// half-way) and by statement_timeout on the server. It runs at read
+// committed whatever the session's default_transaction_isolation: its
+// snapshot would be SetRelayStatementTimeout's, older than a renewal the
+// lease statement waited for, and a standby's acquisition then failed with
+// 40001 ("cannot reach the database") instead of standing by
+// (TestSessionDefaultIsolationStandbyRacingARenewal). BEGIN is a round
+// trip either way.
 func (r *Relay) inLeaseTx(ctx context.Context, fn func(context.Context, *db.Queries) error) error {
 	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.leaseTimeout())
 	defer cancel()
-	tx, err := r.store.pool.Begin(lctx)
+	tx, err := r.store.pool.BeginTx(lctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
 	}
