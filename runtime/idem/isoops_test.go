@@ -253,3 +253,67 @@ func TestSessionDefaultIsolationStandbyRacingARenewal(t *testing.T) {
 		})
 	}
 }
+
+// Outside review (isoattack): Store.PurgeExpiredKeys, the janitor's
+// expired-key DELETE as a library call, racing a takeover under the
+// session's default isolation at repeatable read or serializable (as
+// TestSessionDefaultIsolationJanitorRacingATakeover).
+func TestSessionDefaultIsolationPurgeExpiredKeysRacingATakeover(t *testing.T) {
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			url := pgtest.Schema(t)
+			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+				c.MaxConns = 1
+			})
+			other := pgtest.PoolURL(t, url, nil)
+			ctx := context.Background()
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			store := idem.NewStore(pool)
+			if _, err := store.PurgeExpiredKeys(ctx, 100); err != nil { // prepares its statement
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, other, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, expires_at)
+VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p', 'old', '\x00', 200, now() - interval '1 minute')`)
+			tx, err := other.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx)
+			if _, err := tx.Exec(ctx, `UPDATE idem_keys SET expires_at = now() + interval '1 hour' WHERE key = 'taken'`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `LOCK TABLE idem_keys IN SHARE MODE`); err != nil {
+				t.Fatal(err)
+			}
+			type result struct {
+				n   int64
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				n, err := store.PurgeExpiredKeys(ctx, 100)
+				done <- result{n, err}
+			}()
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE relation = 'idem_keys'::regclass AND NOT granted`) > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the purge never waited for idem_keys")
+				}
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if r := <-done; r.err != nil || r.n != 1 {
+				t.Fatalf("purge racing a takeover: %d, %v; want 1 (the expired key), no error", r.n, r.err)
+			}
+			if n := pgtest.Count(t, other, `SELECT count(*) FROM idem_keys`); n != 1 {
+				t.Fatalf("%d keys left, want the one taken over", n)
+			}
+		})
+	}
+}
