@@ -270,8 +270,6 @@ func (j *Janitor) RunOnce(ctx context.Context) (run JanitorRun, err error) {
 	return run, nil
 }
 
-// before is now minus age, on the application's clock. (Keys use the
-// database's clock: see DeleteKeysExpiredAgo.)
 // batch runs one batch on conn in a read committed transaction of its own.
 func (j *Janitor) batch(ctx context.Context, conn *pgxpool.Conn, fn func(context.Context, *db.Queries) (int64, error)) (int64, error) {
 	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
@@ -295,6 +293,8 @@ func (j *Janitor) batch(ctx context.Context, conn *pgxpool.Conn, fn func(context
 	return n, nil
 }
 
+// before is now minus age, on the application's clock. (Keys use the
+// database's clock: see DeleteKeysExpiredAgo.)
 func before(age time.Duration) pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: time.Now().Add(-age), Valid: true}
 }
