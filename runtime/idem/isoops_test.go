@@ -317,3 +317,72 @@ VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p',
 		})
 	}
 }
+
+// The leader's claim (ClaimOutboxBatch, an autocommit statement) with the
+// session's default isolation at repeatable read or serializable. It takes
+// the lease row FOR SHARE, so it waits for a renewal in progress (the
+// leader's own, every Lease/3), and its snapshot was taken before that
+// wait: PostgreSQL refused it with 40001 once the renewal committed, and
+// the relay logged "relay batch failed; backing off" and published late,
+// at every renewal that met a claim. Now the relay's statements run at
+// read committed, each in a transaction of its own pipelined with BEGIN
+// and COMMIT (one round trip, as before).
+func TestSessionDefaultIsolationClaimRacingARenewal(t *testing.T) {
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			url := pgtest.Schema(t)
+			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+			})
+			other := pgtest.PoolURL(t, url, nil)
+			ctx := context.Background()
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			var logs syncBuffer
+			relay, err := idem.NewRelay(idem.NewStore(pool), ackAllBut{}, idem.RelayConfig{
+				PollInterval: 20 * time.Millisecond,
+				Logger:       slog.New(slog.NewTextHandler(&logs, nil)),
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rctx, cancel := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- relay.Run(rctx) }()
+			defer func() { cancel(); <-done }()
+			published := func(n int64) bool {
+				return pgtest.Count(t, other, `SELECT count(*) FROM idem_outbox WHERE status = 'PUBLISHED'`) == n
+			}
+			pgtest.Exec(t, other, `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x00')`)
+			waitFor(t, func() bool { return published(1) }) // the relay leads, its statements prepared
+
+			// A renewal in progress holds the lease row when the next row
+			// is claimed.
+			renewal, err := other.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer renewal.Rollback(ctx)
+			if _, err := renewal.Exec(ctx, `UPDATE idem_relay_leader SET expires_at = expires_at + interval '1 second' WHERE name = 'idem_outbox'`); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.Exec(t, other, `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x01')`)
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted`) > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the claim never waited on the lease row")
+				}
+			}
+			if err := renewal.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, func() bool { return published(2) || strings.Contains(logs.String(), "backing off") })
+			if s := logs.String(); strings.Contains(s, "backing off") {
+				t.Fatalf("a claim racing the leader's renewal:\n%s", s)
+			}
+		})
+	}
+}

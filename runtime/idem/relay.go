@@ -420,7 +420,7 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 		go r.listen(t, wake, log)
 	}
 	dctx, cancel := r.dbCtx()
-	n, err := db.New(r.store.pool).ResetOutboxPublishing(dctx, db.ResetOutboxPublishingParams{Name: leaseName, Token: t.token})
+	n, err := db.New(readCommittedDB{r.store.pool}).ResetOutboxPublishing(dctx, db.ResetOutboxPublishingParams{Name: leaseName, Token: t.token})
 	cancel()
 	if err != nil {
 		return fmt.Errorf("takeover reset: %w", err)
@@ -480,7 +480,7 @@ func (r *Relay) lead(ctx context.Context, t *term, log *slog.Logger) error {
 			// Takeover resets what predecessors left PUBLISHING; the reaper
 			// returns rows whose row lease ran out without a takeover.
 			dctx, cancel := r.dbCtx()
-			if _, err := db.New(r.store.pool).ReapOutbox(dctx); err != nil {
+			if _, err := db.New(readCommittedDB{r.store.pool}).ReapOutbox(dctx); err != nil {
 				log.Warn("reap failed", "err", err)
 			}
 			cancel()
@@ -534,7 +534,7 @@ type batchResult struct {
 // retried until they succeed or the term ends.
 func (r *Relay) relayBatch(t *term, log *slog.Logger) (res batchResult) {
 	dctx, cancel := r.dbCtx()
-	rows, err := db.New(r.store.pool).ClaimOutboxBatch(dctx, db.ClaimOutboxBatchParams{
+	rows, err := db.New(readCommittedDB{r.store.pool}).ClaimOutboxBatch(dctx, db.ClaimOutboxBatchParams{
 		Name: leaseName, BatchSize: int32(r.cfg.BatchSize), ClaimToken: pgtype.Text{String: t.token, Valid: true},
 		LeaseSeconds: r.cfg.Lease.Seconds(),
 	})
@@ -751,7 +751,7 @@ func (r *Relay) recordUntilDone(t *term, out *batchOutcome, log *slog.Logger) er
 // (fewer rows than sent) means the lease was taken over: errLeaseLost.
 func (r *Relay) record(token string, out *batchOutcome, log *slog.Logger) error {
 	tok := pgtype.Text{String: token, Valid: true}
-	q := db.New(r.store.pool)
+	q := db.New(readCommittedDB{r.store.pool})
 	if len(out.acked) > 0 {
 		ctx, cancel := r.dbCtx()
 		if h := relayhook.BeforeMark; h != nil {
