@@ -28,22 +28,17 @@ import (
 // claim waits for a lock on idem_keys that the completing transaction
 // holds, after the request's snapshot was taken.
 func TestSessionDefaultIsolationCannotRunACompletedKeyAgain(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
 			t.Parallel()
 			// One connection: the request runs where the first one ran, with
 			// its statements prepared (a Parse would wait for the lock
 			// before BEGIN, snapshot-less).
-			url := pgtest.Schema(t)
-			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
-				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-				c.MaxConns = 1
-			})
-			admin := pgtest.PoolURL(t, url, nil)
+			// One connection: the request runs where the first one ran, with
+			// its statements prepared (a Parse would wait for the lock
+			// before BEGIN, snapshot-less).
+			pool, admin := levelPools(t, level, 1)
 			ctx := context.Background()
-			if err := idem.Migrate(ctx, pool); err != nil {
-				t.Fatal(err)
-			}
 			pgtest.Exec(t, pool, `CREATE TABLE effects (id bigserial PRIMARY KEY, order_id text NOT NULL, amount int NOT NULL)`)
 			e := &env{t: t, pool: pool}
 			h := e.handler(idem.Endpoint{Wait: 5 * time.Second})
@@ -69,14 +64,7 @@ func TestSessionDefaultIsolationCannotRunACompletedKeyAgain(t *testing.T) {
 			done := make(chan result, 1)
 			go func() { done <- do(h, "k1", body1) }()
 			// The request's claim waits for idem_keys: its snapshot is taken.
-			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
-				if pgtest.Count(t, admin, `SELECT count(*) FROM pg_locks WHERE relation = 'idem_keys'::regclass AND NOT granted`) > 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the request never waited for idem_keys")
-				}
-			}
+			waitLockWait(t, admin, `relation = 'idem_keys'::regclass`, "the request never waited for idem_keys")
 			if err := other.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -88,5 +76,43 @@ func TestSessionDefaultIsolationCannotRunACompletedKeyAgain(t *testing.T) {
 				t.Fatalf("second request: %d %s, want the replay 201", r.status, r.body)
 			}
 		})
+	}
+}
+
+// snapshotLevels are the default_transaction_isolation values other than
+// read committed that a server, database or role may give every session.
+var snapshotLevels = []string{"repeatable read", "serializable"}
+
+// levelPools returns two pools on a fresh schema with idemgen's tables:
+// pool's sessions default to the isolation level (at most maxConns
+// connections, when not 0), other's to the server's default.
+func levelPools(t *testing.T, level string, maxConns int32) (pool, other *pgxpool.Pool) {
+	t.Helper()
+	url := pgtest.Schema(t)
+	pool = pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+		if maxConns > 0 {
+			c.MaxConns = maxConns
+		}
+	})
+	other = pgtest.PoolURL(t, url, nil)
+	if err := idem.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	return pool, other
+}
+
+// waitLockWait waits until a session waits for a lock pg_locks shows with
+// cond (a WHERE condition): the victim's snapshot is then taken and the
+// race the test widens is open. what names the waiter for the failure.
+func waitLockWait(t *testing.T, pool *pgxpool.Pool, cond, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_locks WHERE `+cond+` AND NOT granted`) > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(what)
+		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemgen/idemgen/internal/pgtest"
@@ -25,18 +26,10 @@ import (
 // idem_keys, which the janitor's DELETE waits for after its snapshot (its
 // statements prepared by a first run, as on a long-lived connection).
 func TestSessionDefaultIsolationJanitorRacingATakeover(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
-			url := pgtest.Schema(t)
-			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
-				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-				c.MaxConns = 1
-			})
-			other := pgtest.PoolURL(t, url, nil)
+			pool, other := levelPools(t, level, 1)
 			ctx := context.Background()
-			if err := idem.Migrate(ctx, pool); err != nil {
-				t.Fatal(err)
-			}
 			j, err := idem.NewJanitor(idem.NewStore(pool), idem.JanitorConfig{})
 			if err != nil {
 				t.Fatal(err)
@@ -49,14 +42,7 @@ VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p',
 INSERT INTO idem_processed_events (context, event_id, topic, kpartition, koffset, processed_at)
 VALUES ('c', 'e', 't', 0, 1, now() - interval '8 days')`)
 			// A request takes 'taken' over and completes it.
-			tx, err := other.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tx.Rollback(ctx)
-			if _, err := tx.Exec(ctx, `UPDATE idem_keys SET expires_at = now() + interval '1 hour' WHERE key = 'taken'`); err != nil {
-				t.Fatal(err)
-			}
+			tx := holdTx(t, other, `UPDATE idem_keys SET expires_at = now() + interval '1 hour' WHERE key = 'taken'`)
 			if _, err := tx.Exec(ctx, `LOCK TABLE idem_keys IN SHARE MODE`); err != nil {
 				t.Fatal(err)
 			}
@@ -69,14 +55,7 @@ VALUES ('c', 'e', 't', 0, 1, now() - interval '8 days')`)
 				run, err := j.RunOnce(ctx)
 				done <- result{run, err}
 			}()
-			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
-				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE relation = 'idem_keys'::regclass AND NOT granted`) > 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the janitor never waited for idem_keys")
-				}
-			}
+			waitLockWait(t, other, `relation = 'idem_keys'::regclass`, "the janitor never waited for idem_keys")
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -106,26 +85,12 @@ VALUES ('c', 'e', 't', 0, 1, now() - interval '8 days')`)
 // dependencies" against the relay's claims: TestRequeueParkedRacingRelay
 // with DATABASE_URL ...&default_transaction_isolation=serializable).
 func TestSessionDefaultIsolationRequeueRacingARequeue(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
-			url := pgtest.Schema(t)
-			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
-				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-			})
-			other := pgtest.PoolURL(t, url, nil)
+			pool, other := levelPools(t, level, 0)
 			ctx := context.Background()
-			if err := idem.Migrate(ctx, pool); err != nil {
-				t.Fatal(err)
-			}
 			pgtest.Exec(t, other, `INSERT INTO idem_outbox (topic, payload, status, parked_at) VALUES ('t', 'p', 'PARKED', now())`)
-			tx, err := other.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tx.Rollback(ctx)
-			if _, err := tx.Exec(ctx, `UPDATE idem_outbox SET status = 'PENDING', parked_at = NULL WHERE status = 'PARKED'`); err != nil {
-				t.Fatal(err)
-			}
+			tx := holdTx(t, other, `UPDATE idem_outbox SET status = 'PENDING', parked_at = NULL WHERE status = 'PARKED'`)
 			type result struct {
 				n   int64
 				err error
@@ -135,14 +100,7 @@ func TestSessionDefaultIsolationRequeueRacingARequeue(t *testing.T) {
 				n, err := idem.NewStore(pool).RequeueAllParked(ctx)
 				done <- result{n, err}
 			}()
-			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
-				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted`) > 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the requeue never waited for the row")
-				}
-			}
+			waitLockWait(t, other, `locktype = 'transactionid'`, "the requeue never waited for the row")
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -161,7 +119,7 @@ func TestSessionDefaultIsolationRequeueRacingARequeue(t *testing.T) {
 // ("migrate: apply schema: ERROR: relation \"idem_keys_expires_at\" already
 // exists (SQLSTATE 42P07)"): all replicas but one failed to start.
 func TestSessionDefaultIsolationConcurrentMigrate(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
 			url := pgtest.Schema(t)
 			const n = 4
@@ -201,46 +159,14 @@ func TestSessionDefaultIsolationConcurrentMigrate(t *testing.T) {
 // retrying" (a warning about a database that answered) and backed off,
 // where read committed re-checks the row and stands by.
 func TestSessionDefaultIsolationStandbyRacingARenewal(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
-			url := pgtest.Schema(t)
-			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
-				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-			})
-			other := pgtest.PoolURL(t, url, nil)
+			pool, other := levelPools(t, level, 0)
 			ctx := context.Background()
-			if err := idem.Migrate(ctx, pool); err != nil {
-				t.Fatal(err)
-			}
 			pgtest.Exec(t, other, `INSERT INTO idem_relay_leader (name, holder, token, expires_at) VALUES ('idem_outbox', 'leader', 'tok', now() + interval '1 minute')`)
-			renewal, err := other.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer renewal.Rollback(ctx)
-			if _, err := renewal.Exec(ctx, `UPDATE idem_relay_leader SET expires_at = now() + interval '1 minute' WHERE name = 'idem_outbox'`); err != nil {
-				t.Fatal(err)
-			}
-			var logs syncBuffer
-			relay, err := idem.NewRelay(idem.NewStore(pool), ackAllBut{}, idem.RelayConfig{
-				PollInterval: 20 * time.Millisecond,
-				Logger:       slog.New(slog.NewTextHandler(&logs, nil)),
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			rctx, cancel := context.WithCancel(ctx)
-			done := make(chan error, 1)
-			go func() { done <- relay.Run(rctx) }()
-			defer func() { cancel(); <-done }()
-			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
-				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted`) > 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the standby never waited on the lease row")
-				}
-			}
+			renewal := holdTx(t, other, `UPDATE idem_relay_leader SET expires_at = now() + interval '1 minute' WHERE name = 'idem_outbox'`)
+			logs := runRelay(t, pool)
+			waitLockWait(t, other, `locktype = 'transactionid'`, "the standby never waited on the lease row")
 			if err := renewal.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -259,32 +185,17 @@ func TestSessionDefaultIsolationStandbyRacingARenewal(t *testing.T) {
 // session's default isolation at repeatable read or serializable (as
 // TestSessionDefaultIsolationJanitorRacingATakeover).
 func TestSessionDefaultIsolationPurgeExpiredKeysRacingATakeover(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
-			url := pgtest.Schema(t)
-			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
-				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-				c.MaxConns = 1
-			})
-			other := pgtest.PoolURL(t, url, nil)
+			pool, other := levelPools(t, level, 1)
 			ctx := context.Background()
-			if err := idem.Migrate(ctx, pool); err != nil {
-				t.Fatal(err)
-			}
 			store := idem.NewStore(pool)
 			if _, err := store.PurgeExpiredKeys(ctx, 100); err != nil { // prepares its statement
 				t.Fatal(err)
 			}
 			pgtest.Exec(t, other, `INSERT INTO idem_keys (scope, principal, key, fingerprint, status_code, expires_at)
 VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p', 'old', '\x00', 200, now() - interval '1 minute')`)
-			tx, err := other.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tx.Rollback(ctx)
-			if _, err := tx.Exec(ctx, `UPDATE idem_keys SET expires_at = now() + interval '1 hour' WHERE key = 'taken'`); err != nil {
-				t.Fatal(err)
-			}
+			tx := holdTx(t, other, `UPDATE idem_keys SET expires_at = now() + interval '1 hour' WHERE key = 'taken'`)
 			if _, err := tx.Exec(ctx, `LOCK TABLE idem_keys IN SHARE MODE`); err != nil {
 				t.Fatal(err)
 			}
@@ -297,14 +208,7 @@ VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p',
 				n, err := store.PurgeExpiredKeys(ctx, 100)
 				done <- result{n, err}
 			}()
-			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
-				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE relation = 'idem_keys'::regclass AND NOT granted`) > 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the purge never waited for idem_keys")
-				}
-			}
+			waitLockWait(t, other, `relation = 'idem_keys'::regclass`, "the purge never waited for idem_keys")
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -328,29 +232,11 @@ VALUES ('s', 'p', 'taken', '\x00', 200, now() - interval '1 minute'), ('s', 'p',
 // read committed, each in a transaction of its own pipelined with BEGIN
 // and COMMIT (one round trip, as before).
 func TestSessionDefaultIsolationClaimRacingARenewal(t *testing.T) {
-	for _, level := range []string{"repeatable read", "serializable"} {
+	for _, level := range snapshotLevels {
 		t.Run(level, func(t *testing.T) {
-			url := pgtest.Schema(t)
-			pool := pgtest.PoolURL(t, url, func(c *pgxpool.Config) {
-				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-			})
-			other := pgtest.PoolURL(t, url, nil)
+			pool, other := levelPools(t, level, 0)
 			ctx := context.Background()
-			if err := idem.Migrate(ctx, pool); err != nil {
-				t.Fatal(err)
-			}
-			var logs syncBuffer
-			relay, err := idem.NewRelay(idem.NewStore(pool), ackAllBut{}, idem.RelayConfig{
-				PollInterval: 20 * time.Millisecond,
-				Logger:       slog.New(slog.NewTextHandler(&logs, nil)),
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			rctx, cancel := context.WithCancel(ctx)
-			done := make(chan error, 1)
-			go func() { done <- relay.Run(rctx) }()
-			defer func() { cancel(); <-done }()
+			logs := runRelay(t, pool)
 			published := func(n int64) bool {
 				return pgtest.Count(t, other, `SELECT count(*) FROM idem_outbox WHERE status = 'PUBLISHED'`) == n
 			}
@@ -359,23 +245,9 @@ func TestSessionDefaultIsolationClaimRacingARenewal(t *testing.T) {
 
 			// A renewal in progress holds the lease row when the next row
 			// is claimed.
-			renewal, err := other.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer renewal.Rollback(ctx)
-			if _, err := renewal.Exec(ctx, `UPDATE idem_relay_leader SET expires_at = expires_at + interval '1 second' WHERE name = 'idem_outbox'`); err != nil {
-				t.Fatal(err)
-			}
+			renewal := holdTx(t, other, `UPDATE idem_relay_leader SET expires_at = expires_at + interval '1 second' WHERE name = 'idem_outbox'`)
 			pgtest.Exec(t, other, `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x01')`)
-			for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
-				if pgtest.Count(t, other, `SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted`) > 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the claim never waited on the lease row")
-				}
-			}
+			waitLockWait(t, other, `locktype = 'transactionid'`, "the claim never waited on the lease row")
 			if err := renewal.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -385,4 +257,39 @@ func TestSessionDefaultIsolationClaimRacingARenewal(t *testing.T) {
 			}
 		})
 	}
+}
+
+// runRelay runs a relay on pool, publishing everything but key "bad", until
+// the test ends; it returns the relay's log.
+func runRelay(t *testing.T, pool *pgxpool.Pool) *syncBuffer {
+	t.Helper()
+	logs := &syncBuffer{}
+	relay, err := idem.NewRelay(idem.NewStore(pool), ackAllBut{}, idem.RelayConfig{
+		PollInterval: 20 * time.Millisecond,
+		Logger:       slog.New(slog.NewTextHandler(logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return logs
+}
+
+// holdTx begins a transaction on pool that runs sql and stays open, holding
+// its locks until the test commits it (or the test ends: rolled back).
+func holdTx(t *testing.T, pool *pgxpool.Pool, sql string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	if _, err := tx.Exec(ctx, sql); err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }
