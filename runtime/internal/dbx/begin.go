@@ -204,8 +204,9 @@ func queueClaim(b *pgx.Batch, arg db.ClaimKeyParams, rowCheck, levelUnknown bool
 //   - checkRow: ClaimKeyRow, for a transaction whose snapshot turned out to
 //     predate the claim's lock (the session's default isolation level is
 //     repeatable read or serializable): a row completed between the two
-//     fails it with 40001, as in a claim that sent it in its own round
-//     trip, instead of the function running for a completed key.
+//     fails it with 40001, as it does in the claim's round trip when
+//     TxOptions name such a level, instead of the function running for a
+//     completed key.
 //
 // The waits are bounded by lockTimeout, set with SetLockTimeout before and
 // put back with RestoreLockTimeout after, all pipelined; a lock_timeout
