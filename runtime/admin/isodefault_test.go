@@ -71,7 +71,7 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', 5, 'boom')`)
 			go func() {
 				_, err := a.ReplayDeadLetter(ctx, id, func(context.Context, admin.DeadLetter) error {
 					close(entered)
-					time.Sleep(100 * time.Millisecond)
+					waitLockWaiter(t, pool, "idem_dead_letters", "the discard never waited on the replay's row")
 					return nil
 				})
 				done <- err
@@ -102,7 +102,7 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', 5, 'boom')`)
 				n, err = a.PurgeParked(ctx, oid)
 				purged <- err
 			}()
-			time.Sleep(100 * time.Millisecond) // the purge waits on the row
+			waitLockWaiter(t, pool, "idem_outbox", "the purge never waited on the requeued row")
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -110,5 +110,21 @@ VALUES ('billing', 'orders', 0, 7, 'k', 'v', 5, 'boom')`)
 				t.Fatalf("purge by id racing a requeue: %d, %v; want 0 rows, no error", n, err)
 			}
 		})
+	}
+}
+
+// waitLockWaiter waits until a session waits for another transaction's
+// lock on a row of table (in the pool's schema: pg_locks is the server's,
+// and tests elsewhere wait on rows too); what says who, for the failure.
+func waitLockWaiter(t *testing.T, pool *pgxpool.Pool, table, what string) {
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		if pgtest.Count(t, pool, `SELECT count(*) FROM pg_locks w WHERE w.locktype = 'transactionid' AND NOT w.granted
+			AND EXISTS (SELECT 1 FROM pg_locks r WHERE r.pid = w.pid AND r.relation = '`+table+`'::regclass)`) > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Error(what)
+			return
+		}
 	}
 }

@@ -102,6 +102,13 @@ func levelPools(t *testing.T, level string, maxConns int32) (pool, other *pgxpoo
 	return pool, other
 }
 
+// rowLockOn is waitLockWait's condition for a wait on a row of table (in
+// the pool's schema): another transaction's id, by a session that holds a
+// lock on table. pg_locks is the server's: tests elsewhere wait on rows too.
+func rowLockOn(table string) string {
+	return `locktype = 'transactionid' AND EXISTS (SELECT 1 FROM pg_locks r WHERE r.pid = pg_locks.pid AND r.relation = '` + table + `'::regclass)`
+}
+
 // waitLockWait waits until a session waits for a lock pg_locks shows with
 // cond (a WHERE condition): the victim's snapshot is then taken and the
 // race the test widens is open. what names the waiter for the failure.

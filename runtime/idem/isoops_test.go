@@ -100,7 +100,7 @@ func TestSessionDefaultIsolationRequeueRacingARequeue(t *testing.T) {
 				n, err := idem.NewStore(pool).RequeueAllParked(ctx)
 				done <- result{n, err}
 			}()
-			waitLockWait(t, other, `locktype = 'transactionid'`, "the requeue never waited for the row")
+			waitLockWait(t, other, rowLockOn("idem_outbox"), "the requeue never waited for the row")
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -166,7 +166,7 @@ func TestSessionDefaultIsolationStandbyRacingARenewal(t *testing.T) {
 			pgtest.Exec(t, other, `INSERT INTO idem_relay_leader (name, holder, token, expires_at) VALUES ('idem_outbox', 'leader', 'tok', now() + interval '1 minute')`)
 			renewal := holdTx(t, other, `UPDATE idem_relay_leader SET expires_at = now() + interval '1 minute' WHERE name = 'idem_outbox'`)
 			logs := runRelay(t, pool)
-			waitLockWait(t, other, `locktype = 'transactionid'`, "the standby never waited on the lease row")
+			waitLockWait(t, other, rowLockOn("idem_relay_leader"), "the standby never waited on the lease row")
 			if err := renewal.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -247,7 +247,7 @@ func TestSessionDefaultIsolationClaimRacingARenewal(t *testing.T) {
 			// is claimed.
 			renewal := holdTx(t, other, `UPDATE idem_relay_leader SET expires_at = expires_at + interval '1 second' WHERE name = 'idem_outbox'`)
 			pgtest.Exec(t, other, `INSERT INTO idem_outbox (topic, payload) VALUES ('t', '\x01')`)
-			waitLockWait(t, other, `locktype = 'transactionid'`, "the claim never waited on the lease row")
+			waitLockWait(t, other, rowLockOn("idem_relay_leader"), "the claim never waited on the lease row")
 			if err := renewal.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
