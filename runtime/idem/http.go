@@ -565,6 +565,13 @@ var (
 	// errFunctionTempTable: a temporary table has a runtime table's name;
 	// nothing is stored or committed (500).
 	errFunctionTempTable = errors.New("the function made a temporary table named like one of the runtime's tables (idem_keys, idem_outbox, ...), which would hide it on this pooled connection: nothing was stored or committed")
+	// errStoreRefused: StoreKey found no idem_keys it may write (42501
+	// permission denied, or 42P01 when its schema is not visible): the
+	// role in force when it ran, a SET ROLE the function left or the
+	// database role's own rights, cannot write the table the claim read.
+	// Nothing is stored or committed, and retrying will not help (500, not
+	// 503).
+	errStoreRefused = errors.New("the response could not be stored: idem_keys is not visible or not writable to the role in force (a SET ROLE the function left, or the database role's rights): nothing was stored or committed")
 	// errFunctionEndedTx: the function committed or rolled back the
 	// runtime's transaction itself; nothing is stored (500).
 	errFunctionEndedTx = errors.New("the function ended its transaction itself (COMMIT or ROLLBACK): no response was stored, and its work may or may not have committed")
@@ -1053,6 +1060,8 @@ func (h *HTTP) commit(ctx context.Context, ep Endpoint, in *request, tx pgx.Tx, 
 			return nil, fmt.Errorf("%w: %w", errFunctionMovedKeys, err)
 		case c == "22P02" && strings.Contains(err.Error(), tempShadow):
 			return nil, fmt.Errorf("%w: %w", errFunctionTempTable, err)
+		case (c == "42501" || c == "42P01") && !errors.Is(err, dbx.ErrCommit):
+			return nil, fmt.Errorf("%w: %w", errStoreRefused, err)
 		case c == "22P02" && strings.Contains(err.Error(), notClaimingTx):
 			// The function ended the claiming transaction and began
 			// another (COMMIT AND CHAIN, ROLLBACK AND CHAIN): TxStatus

@@ -2,10 +2,12 @@ package idem_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -197,5 +199,61 @@ func TestKeylessFunctionTempTableRefused(t *testing.T) {
 	}
 	if e.keys() != 1 {
 		t.Fatalf("%d keys in idem_keys, want 1", e.keys())
+	}
+}
+
+// A function that leaves a SET ROLE in force to a role without rights on
+// idem_keys' schema: StoreKey, run as that role, is refused (42501; 42P01
+// when the connection prepares it then, the schema being invisible). That
+// was answered 503 "storage unavailable; retry later", though no retry
+// could succeed while the function does it: now it is the function's
+// failure, 500, with nothing stored or committed, and the retry, once the
+// function is fixed, runs it again.
+func TestFunctionSetRoleAtStoreKeyIsNotAnOutage(t *testing.T) {
+	for _, c := range []struct {
+		name                  string
+		prepared, schemaUsage bool
+	}{
+		{"schema invisible, first statement on the connection", false, false}, // 42P01 at prepare
+		{"schema invisible, statements prepared", true, false},                // 42P01
+		{"table not writable", true, true},                                    // 42501
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := oneConnEnv(t)
+			role := fmt.Sprintf("norights_%d", time.Now().UnixNano())
+			pgtest.Exec(t, e.pool, "CREATE ROLE "+role)
+			pgtest.Exec(t, e.pool, "GRANT "+role+" TO current_user")
+			if c.schemaUsage {
+				pgtest.Exec(t, e.pool, "DO $$ BEGIN EXECUTE format('GRANT USAGE ON SCHEMA %I TO "+role+"', current_schema()); END $$")
+			}
+			t.Cleanup(func() {
+				conn, err := pgx.Connect(context.Background(), pgtest.BaseURL())
+				if err == nil {
+					_, _ = conn.Exec(context.Background(), "DROP OWNED BY "+role+"; DROP ROLE IF EXISTS "+role)
+					_ = conn.Close(context.Background())
+				}
+			})
+			logs := e.captureLogs()
+			h := e.handler(idem.Endpoint{})
+			if c.prepared { // the runtime's statements prepared on the connection
+				if r := do(h, "k0", body1); r.status != http.StatusCreated {
+					t.Fatalf("first request: %d %s", r.status, r.body)
+				}
+				pgtest.Exec(t, e.pool, "DELETE FROM effects; DELETE FROM idem_keys")
+				e.calls.Store(0)
+			}
+			fix := e.hookUntilFixed(func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "SET ROLE "+role)
+				return err
+			})
+			r := do(h, "k1", body1)
+			if r.status != http.StatusInternalServerError {
+				t.Fatalf("status %d, want 500; log: %s", r.status, logs.String())
+			}
+			if c.schemaUsage && !strings.Contains(logs.String(), "SQLSTATE 42501") {
+				t.Fatalf("not refused permission on idem_keys: %s", logs.String())
+			}
+			wantRetryRunsAgain(t, e, h, "k1", fix)
+		})
 	}
 }
