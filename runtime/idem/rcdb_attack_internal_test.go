@@ -56,6 +56,21 @@ func rcClean(t *testing.T, pool, other *pgxpool.Pool, app string) {
 	}
 }
 
+// rcEnv is a fresh schema with ddl run in it, and the adapter on a pool of
+// one connection in mode, whose sessions are named app; other is a pool of
+// the server's defaults on the same schema.
+func rcEnv(t *testing.T, mode pgx.QueryExecMode, ddl string) (d readCommittedDB, pool, other *pgxpool.Pool, app string) {
+	t.Helper()
+	url := pgtest.Schema(t)
+	app = rcApp(t)
+	pool = rcPool(t, url, app, mode)
+	other = pgtest.PoolURL(t, url, nil)
+	if ddl != "" {
+		pgtest.Exec(t, other, ddl)
+	}
+	return readCommittedDB{pool}, pool, other, app
+}
+
 func rcApp(t *testing.T) string {
 	return fmt.Sprintf("rcattack_%d", time.Now().UnixNano())
 }
@@ -63,12 +78,7 @@ func rcApp(t *testing.T) string {
 func TestRCDBStatementErrorLeavesNoTransaction(t *testing.T) {
 	for _, mode := range rcModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			url := pgtest.Schema(t)
-			app := rcApp(t)
-			pool := rcPool(t, url, app, mode)
-			other := pgtest.PoolURL(t, url, nil)
-			pgtest.Exec(t, other, `CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 5)`)
-			d := readCommittedDB{pool}
+			d, pool, other, app := rcEnv(t, mode, `CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 5)`)
 			ctx := context.Background()
 			// rows, then an error
 			rows, err := d.Query(ctx, `SELECT 10/(x-3) FROM t ORDER BY x`)
@@ -110,12 +120,7 @@ func TestRCDBStatementErrorLeavesNoTransaction(t *testing.T) {
 func TestRCDBCommitFailsAfterRows(t *testing.T) {
 	for _, mode := range rcModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			url := pgtest.Schema(t)
-			app := rcApp(t)
-			pool := rcPool(t, url, app, mode)
-			other := pgtest.PoolURL(t, url, nil)
-			pgtest.Exec(t, other, `CREATE TABLE p (id int PRIMARY KEY); CREATE TABLE c (pid int REFERENCES p DEFERRABLE INITIALLY DEFERRED)`)
-			d := readCommittedDB{pool}
+			d, pool, other, app := rcEnv(t, mode, `CREATE TABLE p (id int PRIMARY KEY); CREATE TABLE c (pid int REFERENCES p DEFERRABLE INITIALLY DEFERRED)`)
 			ctx := context.Background()
 			rows, err := d.Query(ctx, `INSERT INTO c VALUES (1), (2) RETURNING pid`)
 			if err != nil {
@@ -162,14 +167,9 @@ func TestRCDBCommitFailsAfterRows(t *testing.T) {
 func TestRCDBTerminatedDuringCommit(t *testing.T) {
 	for _, mode := range rcModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			url := pgtest.Schema(t)
-			app := rcApp(t)
-			pool := rcPool(t, url, app, mode)
-			other := pgtest.PoolURL(t, url, nil)
-			pgtest.Exec(t, other, `CREATE TABLE c (x int);
+			d, pool, other, app := rcEnv(t, mode, `CREATE TABLE c (x int);
 CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$;
 CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON c DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow()`)
-			d := readCommittedDB{pool}
 			ctx := context.Background()
 			go func() {
 				for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
@@ -207,12 +207,7 @@ CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON c DEFERRABLE INITIALLY DEFERRED F
 func TestRCDBDeadlineWaitingOnALock(t *testing.T) {
 	for _, mode := range rcModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			url := pgtest.Schema(t)
-			app := rcApp(t)
-			pool := rcPool(t, url, app, mode)
-			other := pgtest.PoolURL(t, url, nil)
-			pgtest.Exec(t, other, `CREATE TABLE t (x int); INSERT INTO t VALUES (1)`)
-			d := readCommittedDB{pool}
+			d, pool, other, app := rcEnv(t, mode, `CREATE TABLE t (x int); INSERT INTO t VALUES (1)`)
 			bg := context.Background()
 			tx, err := other.Begin(bg)
 			if err != nil {
@@ -273,12 +268,7 @@ func TestRCDBCancelRequestPool(t *testing.T) {
 func TestRCDBResultTypeChanged(t *testing.T) {
 	for _, mode := range rcModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			url := pgtest.Schema(t)
-			app := rcApp(t)
-			pool := rcPool(t, url, app, mode)
-			other := pgtest.PoolURL(t, url, nil)
-			pgtest.Exec(t, other, `CREATE TABLE t (x int); INSERT INTO t VALUES (1)`)
-			d := readCommittedDB{pool}
+			d, pool, other, app := rcEnv(t, mode, `CREATE TABLE t (x int); INSERT INTO t VALUES (1)`)
 			ctx := context.Background()
 			q := func() error {
 				rows, err := d.Query(ctx, `UPDATE t SET x = x RETURNING x`)
@@ -319,11 +309,7 @@ func TestRCDBResultTypeChanged(t *testing.T) {
 // The pool is exhausted: each call fails by its deadline and leaves nothing
 // behind.
 func TestRCDBPoolExhausted(t *testing.T) {
-	url := pgtest.Schema(t)
-	app := rcApp(t)
-	pool := rcPool(t, url, app, pgx.QueryExecModeCacheStatement)
-	other := pgtest.PoolURL(t, url, nil)
-	d := readCommittedDB{pool}
+	d, pool, other, app := rcEnv(t, pgx.QueryExecModeCacheStatement, "")
 	held, err := pool.Acquire(context.Background())
 	if err != nil {
 		t.Fatal(err)
