@@ -147,26 +147,15 @@ func (s *Store) DeleteExpiredKeys(ctx context.Context, batchSize int) (int64, er
 	if batchSize <= 0 {
 		return 0, errors.New("delete expired keys: batch size must be positive")
 	}
-	// At read committed whatever the session's default isolation, as the
-	// janitor's batches: a key taken over and completed after the DELETE
-	// began is re-checked (and kept), where repeatable read and
+	// At read committed whatever the session's default isolation
+	// (readCommittedDB: BEGIN, the DELETE and COMMIT in one round trip, as
+	// the statement alone): a key taken over and completed after the
+	// DELETE began is re-checked (and kept), where repeatable read and
 	// serializable failed the batch with 40001
 	// (TestSessionDefaultIsolationPurgeExpiredKeysRacingATakeover).
-	// A batch whose DELETE completed commits even if ctx ended meanwhile,
-	// as the statement alone did.
-	tx, err := s.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	n, err := db.New(readCommittedDB{s.pool}).DeleteExpiredKeys(ctx, int32(batchSize))
 	if err != nil {
 		return 0, fmt.Errorf("delete expired keys: %w", err)
-	}
-	defer rollback(ctx, tx)
-	n, err := s.q.WithTx(tx).DeleteExpiredKeys(ctx, int32(batchSize))
-	if err != nil {
-		return 0, fmt.Errorf("delete expired keys: %w", err)
-	}
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
-	defer cancel()
-	if err := tx.Commit(cctx); err != nil {
-		return 0, fmt.Errorf("delete expired keys: commit: %w", err)
 	}
 	return n, nil
 }
