@@ -110,6 +110,9 @@ type Consumer struct {
 	logger  *slog.Logger
 	started atomic.Bool
 	running atomic.Pointer[run] // the Run in progress, for tests
+	// beforePurge, when set (tests), is called by the poll loop just
+	// before a re-created topic is purged from the client.
+	beforePurge func(topic string)
 }
 
 // NewConsumer validates cfg and returns a Consumer on store; it keeps a copy
@@ -311,8 +314,17 @@ func (c *Consumer) Run(ctx context.Context) error {
 			}
 			r.dispatch(p)
 		})
+		// The workers of a re-created topic stop here, before
+		// AllowRebalance, while the partitions are surely ours; the
+		// purge comes after it (it may revoke them).
+		recreated := r.recreatedTopics()
+		if len(recreated) > 0 {
+			r.stopWorkers(func(key topicPartition) bool { return slices.Contains(recreated, key.topic) })
+		}
 		cl.AllowRebalance()
-		r.recoverRecreatedTopics()
+		for _, topic := range recreated {
+			r.recoverRecreatedTopic(topic)
+		}
 		if err := r.backOffFetchErrors(ctx, failing, fetches.NumRecords() > 0); err != nil {
 			// ctx ended during the wait. The next poll returns at once
 			// (its context is done), and the exit at the top of the loop
@@ -784,20 +796,34 @@ func fetchBackoff(n int) time.Duration {
 	return d/2 + rand.N(d/2+1)
 }
 
-// recoverRecreatedTopics recovers from a topic deleted and re-created while
+// recreatedTopics returns the topics taken as deleted and re-created while
 // consumed: kgo refuses to consume the new instance (UNKNOWN_TOPIC_ID) until
 // the topic is purged from the client and added back (kgo README, "Topic
 // recreation"). A topic is taken as re-created once it has answered so for
 // recreateGrace, whether or not other topics deliver records meanwhile.
-// Called after AllowRebalance: purging revokes the topic's partitions.
-func (r *run) recoverRecreatedTopics() {
+//
+// The poll loop stops the topic's workers before AllowRebalance, then
+// recovers it (recoverRecreatedTopic). Purging alone does not revoke the
+// partitions when kgo's metadata has added the topic back before its
+// session ends (a heartbeat in flight delays the end): the assignment is
+// the same, no revoke runs, and the old instance's workers went on. One
+// stuck on a record stayed stuck with its partition paused, so the new
+// instance's partition was never consumed; one applying its queued records
+// marked offsets of the old instance into the new one, whose records below
+// them were then skipped (TestTopicRecreatedWithoutRevoke).
+func (r *run) recreatedTopics() []string {
+	var topics []string
 	for topic, s := range r.unknownID {
 		if s.last.Sub(s.since) < recreateGrace {
 			continue
 		}
 		delete(r.unknownID, topic)
-		r.recoverRecreatedTopic(topic)
+		topics = append(topics, topic)
+		r.logger.Error("topic was deleted and re-created; stopping its workers, purging it from the client and consuming the new topic",
+			"group", r.cfg.Group, "topic", topic)
 	}
+	slices.Sort(topics)
+	return topics
 }
 
 // recoverRecreatedTopic purges topic from the client and consumes it
@@ -805,8 +831,9 @@ func (r *run) recoverRecreatedTopics() {
 // instance with it, so the new instance starts at the group's reset offset
 // (ClientOpts' ConsumeResetOffset).
 func (r *run) recoverRecreatedTopic(topic string) {
-	r.logger.Error("topic was deleted and re-created; purging it from the client and consuming the new topic",
-		"group", r.cfg.Group, "topic", topic)
+	if r.beforePurge != nil {
+		r.beforePurge(topic)
+	}
 	r.client.PurgeTopicsFromClient(topic)
 	r.client.AddConsumeTopics(topic)
 }

@@ -22,6 +22,10 @@ func WorkerHolds(c *Consumer, topic string, partition int32) (taken, queued int,
 	return w.taken, len(w.queued), w.busy, w.paused, true
 }
 
+// SetBeforePurge makes c's Run call fn just before it purges a re-created
+// topic from its client. Set it before Run.
+func SetBeforePurge(c *Consumer, fn func(topic string)) { c.beforePurge = fn }
+
 // SetStuckWarnAfter sets how long a partition may do no record before it is
 // reported stuck, for the Runs started after it; restore sets it back.
 func SetStuckWarnAfter(d time.Duration) (restore func()) {

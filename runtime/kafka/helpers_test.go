@@ -133,7 +133,7 @@ type running struct {
 	done chan error
 }
 
-func startConsumer(t testing.TB, pool *pgxpool.Pool, cfg kafka.ConsumerConfig, out *outcomes) *running {
+func startConsumer(t testing.TB, pool *pgxpool.Pool, cfg kafka.ConsumerConfig, out *outcomes, prepare ...func(*kafka.Consumer)) *running {
 	t.Helper()
 	if cfg.Group == "" {
 		cfg.Group = "g"
@@ -146,6 +146,9 @@ func startConsumer(t testing.TB, pool *pgxpool.Pool, cfg kafka.ConsumerConfig, o
 	c, err := kafka.NewConsumer(idem.NewStore(pool), cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, p := range prepare {
+		p(c)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &running{c: c, stop: cancel, done: make(chan error, 1)}

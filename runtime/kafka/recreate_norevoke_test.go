@@ -1,0 +1,106 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// A topic deleted and re-created while its partition 0's worker is stuck on
+// a record (a handler waiting for its context) and the partition is paused
+// behind a backlog. The recovery purges the topic from the client and adds
+// it back; it relied on the purge's rebalance to revoke the partitions and
+// so stop the old instance's workers. kgo revokes them only when the group
+// session ends before kgo's metadata has added the topic back; otherwise
+// the member rejoins with the same subscription, keeps the same partitions
+// and no revoke runs (kgo's log: "consumer did not change any client-side
+// subscription"). Then the stuck worker stayed stuck with its partition
+// paused, and the new instance's partition 0 was never consumed (CI,
+// TestAttackPWTopicRecreatedWhilePaused: "30s after the topic was
+// re-created: new0 0/10, new1 10/10 applied; orders/0 worker queued 13 busy
+// true paused true"); a worker still applying queued records of the old
+// instance would mark their offsets into the new one.
+//
+// Which way the race goes cannot be forced from outside (kgo sends the
+// heartbeat that holds the session's end and the metadata request on one
+// connection), so the test checks what the fix guarantees whichever way it
+// goes: when the topic is purged, no worker of it is left.
+func TestTopicRecreatedWithoutRevoke(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "orders")
+	pool := db(t)
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, 40)
+	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "old0-2" {
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	var mu sync.Mutex
+	var atPurge []string
+	purged := make(chan struct{}, 1)
+	logs := &capture{}
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "norevoke", MaxPollRecords: 5,
+		CommitInterval: 100 * time.Millisecond, Logger: slog.New(logs),
+		ClientOpts: []kgo.Opt{kgo.FetchMaxPartitionBytes(1)}, // one batch per delivery
+		Handlers:   []idem.EventHandler{orderConsumer("orders", handler)}}, nil,
+		func(c *kafka.Consumer) {
+			kafka.SetBeforePurge(c, func(topic string) {
+				var left []string
+				for p := range int32(2) {
+					if _, q, busy, paused, ok := kafka.WorkerHolds(c, topic, p); ok {
+						left = append(left, fmt.Sprintf("%s/%d (queued %d, busy %v, paused %v)", topic, p, q, busy, paused))
+					}
+				}
+				mu.Lock()
+				atPurge = left
+				mu.Unlock()
+				select {
+				case purged <- struct{}{}:
+				default:
+				}
+			})
+		})
+	waitBounded(t, 15*time.Second, "partition 0 stuck on old0-2 and paused, old1 applied", func() bool {
+		_, _, busy, paused, _ := kafka.WorkerHolds(r.c, "orders", 0)
+		return busy && paused && appliedCount(t, pool, "old1") == 10
+	})
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	kmsgCreateTopic(t, adm, "orders", 2)
+	fresh := manualProducer(t, addrs) // cl knows the old topic's id
+	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
+	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
+	select {
+	case <-purged:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the re-created topic was never purged")
+	}
+	mu.Lock()
+	left := atPurge
+	mu.Unlock()
+	if len(left) > 0 {
+		t.Errorf("when the re-created topic was purged, workers of the old instance were left: %v", left)
+	}
+	waitBounded(t, 30*time.Second, "the new instance's records applied", func() bool {
+		return appliedCount(t, pool, "new0") == 10 && appliedCount(t, pool, "new1") == 10
+	})
+	wantAppliedInOrder(t, pool, "new0", 10)
+	wantAppliedInOrder(t, pool, "new1", 10)
+	r.shutdown(t)
+	if n := appliedCount(t, pool, "old0"); n != 2 {
+		t.Errorf("%d old0 records applied, want 2 (old0-0, old0-1: the worker stuck on old0-2 is stopped, its queue dropped)", n)
+	}
+}
