@@ -1,0 +1,112 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kversion"
+
+	"github.com/idemgen/idemgen/runtime/idem"
+	"github.com/idemgen/idemgen/runtime/kafka"
+)
+
+// A topic deleted and re-created while partition 0's worker is slowly
+// applying queued records of the old instance (200ms each, not stuck),
+// marking each. The new instance's committed offset must never pass what
+// was applied of it: an old-instance mark committed into the new instance
+// would skip the new instance's first records. kfake's own versions:
+// OffsetCommit v10 names the topic by ID, so an old-instance commit is
+// refused (UNKNOWN_TOPIC_ID). Holds on main.
+func TestRecreatedTopicSlowOldWorker(t *testing.T) {
+	t.Parallel()
+	testSlowOldWorker(t, nil)
+}
+
+// The same against a broker of Kafka 3.7 (any broker before 4.1):
+// OffsetCommit v9 names the topic, so the broker takes the old worker's
+// marks, made until the re-creation is detected (2s of UNKNOWN_TOPIC_ID and
+// more) and committed every CommitInterval, as commits of the new instance
+// (kgo refuses an old instance's offsets only when its commit carries topic
+// IDs). The recovery then consumes the new instance from there: its first
+// records are skipped, never applied. On main:
+// "applied [new0-24 ... new0-39], want [new0-0 ... new0-39]" and "committed
+// map[0:4 1:-1] with new0 0, new1 0 applied".
+func TestRecreatedTopicOldMarksNotCommittedIntoNewKafka37(t *testing.T) {
+	t.Parallel()
+	testSlowOldWorker(t, []kfake.Opt{kfake.MaxVersions(kversion.V3_7_0())})
+}
+
+func testSlowOldWorker(t *testing.T, opts []kfake.Opt) {
+	c, err := kfake.NewCluster(append([]kfake.Opt{kfake.NumBrokers(1), kfake.SeedTopics(2, "orders")}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	addrs := c.ListenAddrs()
+	pool := db(t)
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, 40)
+	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if len(ev.EventID) > 4 && ev.EventID[:4] == "old0" {
+			select {
+			case <-time.After(200 * time.Millisecond):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	logs := &capture{}
+	group := "slowold"
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: 5,
+		CommitInterval: 100 * time.Millisecond, Logger: slog.New(logs),
+		ClientOpts: []kgo.Opt{kgo.FetchMaxPartitionBytes(1)},
+		Handlers:   []idem.EventHandler{orderConsumer("orders", handler)}}, nil)
+	waitBounded(t, 15*time.Second, "old0 partly applied, old1 applied", func() bool {
+		return appliedCount(t, pool, "old0") >= 3 && appliedCount(t, pool, "old1") == 10
+	})
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	kmsgCreateTopic(t, adm, "orders", 2)
+	fresh := manualProducer(t, addrs)
+	produceTopic(t, fresh, "orders", 0, "new0", 0, 40)
+	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
+	var bad []string
+	check := func() {
+		// The commit first: what is applied only grows, so a commit
+		// above what is applied after it passed unapplied records.
+		c := committedOffsets(t, addrs, group, "orders", 2)
+		a0, a1 := appliedCount(t, pool, "new0"), appliedCount(t, pool, "new1")
+		if (c[0] > a0 || c[1] > a1) && len(bad) < 3 {
+			bad = append(bad, fmt.Sprintf("committed %v with new0 %d, new1 %d applied", c, a0, a1))
+		}
+	}
+	// Until the group has committed both partitions' ends: then every
+	// record below them must have been applied.
+	deadline := time.Now().Add(40 * time.Second)
+	for {
+		check()
+		if c := committedOffsets(t, addrs, group, "orders", 2); c[0] == 40 && c[1] == 10 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("40s after the re-creation: new0 %d/40, new1 %d/10 applied, committed %v; bad %v",
+				appliedCount(t, pool, "new0"), appliedCount(t, pool, "new1"), committedOffsets(t, addrs, group, "orders", 2), bad)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	r.shutdown(t)
+	check()
+	if len(bad) > 0 {
+		t.Errorf("the new instance's committed offset passed its applied records: %v", bad)
+	}
+	wantAppliedInOrder(t, pool, "new0", 40)
+	wantAppliedInOrder(t, pool, "new1", 10)
+}
