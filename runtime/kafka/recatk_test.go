@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -109,4 +111,118 @@ func testSlowOldWorker(t *testing.T, opts []kfake.Opt) {
 	}
 	wantAppliedInOrder(t, pool, "new0", 40)
 	wantAppliedInOrder(t, pool, "new1", 10)
+}
+
+// A consumed topic deleted and not re-created for 6s, another topic flowing
+// all the while: the other topic's records go on being applied, nothing
+// loops (kgo fetches nothing for a topic missing from the metadata: no
+// UNKNOWN_TOPIC_ID, no purge while it is gone), and the topic created later
+// is recovered (one purge) and consumed from its start, within 20s (about
+// 5s seen). Holds on main.
+func TestRecreatedTopicDeletedThenCreatedLater(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 1, "orders", "other")
+	pool := db(t)
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, 5)
+	logs := &capture{}
+	var purges atomic.Int64
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "deletedlater",
+		CommitInterval: 100 * time.Millisecond, Logger: slog.New(logs),
+		Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder), topicConsumer("other", "billing", applyOrder)}}, nil,
+		func(c *kafka.Consumer) { kafka.SetBeforePurge(c, func(string) { purges.Add(1) }) })
+	waitBounded(t, 15*time.Second, "old0 applied", func() bool { return appliedCount(t, pool, "old0") == 5 })
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	n := 0
+	produceOther := func(k int) {
+		produceTopic(t, cl, "other", 0, "x", n, k)
+		n += k
+	}
+	// Six seconds without the topic, a trickle on the other one.
+	for end := time.Now().Add(6 * time.Second); time.Now().Before(end); {
+		produceOther(1)
+		time.Sleep(50 * time.Millisecond)
+	}
+	waitBounded(t, 10*time.Second, "the other topic applied all the while", func() bool { return appliedCount(t, pool, "x") == int64(n) })
+	t.Logf("%d purges while the topic was deleted", purges.Load())
+	kmsgCreateTopic(t, adm, "orders", 1)
+	fresh := manualProducer(t, addrs)
+	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
+	start := time.Now()
+	waitBounded(t, 20*time.Second, "the topic created later consumed", func() bool { return appliedCount(t, pool, "new0") == 10 })
+	t.Logf("consumed %v after the creation; %d purges", time.Since(start).Round(time.Millisecond), purges.Load())
+	wantAppliedInOrder(t, pool, "new0", 10)
+	r.shutdown(t)
+	logs.mu.Lock()
+	defer logs.mu.Unlock()
+	lines := 0
+	for _, l := range logs.lines {
+		if strings.Contains(l, "fetch error") || strings.Contains(l, "re-created") || strings.Contains(l, "still failing") {
+			lines++
+		}
+	}
+	if lines > 20 {
+		t.Errorf("%d error lines about the deleted topic", lines)
+	}
+}
+
+// A topic of two partitions re-created with one while the old instance's
+// partition 1 worker is stuck on a record (its handler waits for its
+// context) and partition 0's flows: the old partition 1 worker is stopped
+// (it has no partition in the new instance, and no revoke stops it), the
+// new instance's only partition is consumed from its start, and shutdown
+// is prompt. Holds on main.
+func TestRecreatedTopicFewerPartitions(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "orders")
+	pool := db(t)
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, 10)
+	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	var stuck atomic.Bool
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "old1-3" {
+			stuck.Store(true)
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	var left atomic.Value
+	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "fewer", CommitInterval: 100 * time.Millisecond,
+		Handlers: []idem.EventHandler{orderConsumer("orders", handler)}}, nil,
+		func(c *kafka.Consumer) {
+			kafka.SetBeforePurge(c, func(topic string) {
+				var l []int32
+				for p := range int32(2) {
+					if _, _, _, _, ok := kafka.WorkerHolds(c, topic, p); ok {
+						l = append(l, p)
+					}
+				}
+				left.Store(fmt.Sprint(l))
+			})
+		})
+	waitBounded(t, 15*time.Second, "old0 applied, old1 stuck", func() bool {
+		return appliedCount(t, pool, "old0") == 10 && stuck.Load()
+	})
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	kmsgCreateTopic(t, adm, "orders", 1)
+	fresh := manualProducer(t, addrs)
+	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
+	waitBounded(t, 30*time.Second, "the new instance's partition consumed", func() bool { return appliedCount(t, pool, "new0") == 10 })
+	wantAppliedInOrder(t, pool, "new0", 10)
+	if l, _ := left.Load().(string); l != "[]" {
+		t.Errorf("workers of the old instance at the purge: %s, want none", l)
+	}
+	if _, _, _, _, ok := kafka.WorkerHolds(r.c, "orders", 1); ok {
+		t.Errorf("a worker of orders/1 is left, which the new instance does not have")
+	}
+	start := time.Now()
+	r.shutdown(t)
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("shutdown took %v", d)
+	}
+	waitBounded(t, 10*time.Second, "new0 committed", func() bool { return committedOffsets(t, addrs, "fewer", "orders", 1)[0] == 10 })
 }
