@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -225,4 +226,64 @@ func TestRecreatedTopicFewerPartitions(t *testing.T) {
 		t.Errorf("shutdown took %v", d)
 	}
 	waitBounded(t, 10*time.Second, "new0 committed", func() bool { return committedOffsets(t, addrs, "fewer", "orders", 1)[0] == 10 })
+}
+
+// Shutdown right at the recovery of a re-created topic (the context is
+// cancelled just before the purge, old partition 0 worker stuck): Run
+// returns promptly, and a consumer started again in the group consumes the
+// new instance from its start, each record once, in order. Holds on main.
+func TestRecreatedTopicShutdownAtPurge(t *testing.T) {
+	t.Parallel()
+	addrs := cluster(t, 2, "orders")
+	pool := db(t)
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, 10)
+	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	var stuck atomic.Bool
+	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == "old0-3" {
+			stuck.Store(true)
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+	var r *running
+	atPurge := make(chan struct{})
+	var once sync.Once
+	r = startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "shutpurge", CommitInterval: 100 * time.Millisecond,
+		Handlers: []idem.EventHandler{orderConsumer("orders", handler)}}, nil,
+		func(c *kafka.Consumer) {
+			kafka.SetBeforePurge(c, func(string) { once.Do(func() { r.stop(); close(atPurge) }) })
+		})
+	waitBounded(t, 15*time.Second, "old1 applied, old0 stuck", func() bool {
+		return appliedCount(t, pool, "old1") == 10 && stuck.Load()
+	})
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, "orders")
+	kmsgCreateTopic(t, adm, "orders", 2)
+	fresh := manualProducer(t, addrs)
+	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
+	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
+	select {
+	case <-atPurge:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the re-created topic was never purged")
+	}
+	start := time.Now()
+	r.shutdown(t)
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("shutdown at the purge took %v", d)
+	}
+	if c := committedOffsets(t, addrs, "shutpurge", "orders", 2); c[0] > 0 || c[1] > 0 {
+		t.Errorf("committed %v on the new instance, nothing of it applied", c)
+	}
+	r2 := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "shutpurge", CommitInterval: 100 * time.Millisecond,
+		Handlers: []idem.EventHandler{orderConsumer("orders", applyOrder)}}, nil)
+	waitBounded(t, 20*time.Second, "the new instance consumed after the restart", func() bool {
+		return appliedCount(t, pool, "new0") == 10 && appliedCount(t, pool, "new1") == 10
+	})
+	wantAppliedInOrder(t, pool, "new0", 10)
+	wantAppliedInOrder(t, pool, "new1", 10)
+	r2.shutdown(t)
 }
