@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/kversion"
 
 	"github.com/idemgen/idemgen/runtime/idem"
 	"github.com/idemgen/idemgen/runtime/kafka"
@@ -29,20 +28,6 @@ import (
 func TestRecreatedTopicSlowOldWorker(t *testing.T) {
 	t.Parallel()
 	testSlowOldWorker(t, nil)
-}
-
-// The same against a broker of Kafka 3.7 (any broker before 4.1):
-// OffsetCommit v9 names the topic, so the broker takes the old worker's
-// marks, made until the re-creation is detected (2s of UNKNOWN_TOPIC_ID and
-// more) and committed every CommitInterval, as commits of the new instance
-// (kgo refuses an old instance's offsets only when its commit carries topic
-// IDs). The recovery then consumes the new instance from there: its first
-// records are skipped, never applied. On main:
-// "applied [new0-24 ... new0-39], want [new0-0 ... new0-39]" and "committed
-// map[0:4 1:-1] with new0 0, new1 0 applied".
-func TestRecreatedTopicOldMarksNotCommittedIntoNewKafka37(t *testing.T) {
-	t.Parallel()
-	testSlowOldWorker(t, []kfake.Opt{kfake.MaxVersions(kversion.V3_7_0())})
 }
 
 func testSlowOldWorker(t *testing.T, opts []kfake.Opt) {
