@@ -306,14 +306,7 @@ func testTopicRecreatedWhilePaused(t *testing.T, other bool) {
 	produceTopic(t, cl, "orders", 0, "old0", 0, 40)
 	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
 	var stuck atomic.Bool
-	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		if ev.EventID == "old0-2" {
-			stuck.Store(true)
-			<-ctx.Done()
-			return ctx.Err()
-		}
-		return applyOrder(ctx, tx, ev)
-	}
+	handler := stuckUntilCancelled("old0-2", &stuck)
 	logs := &capture{}
 	group := fmt.Sprint("recreate-", other)
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: group, MaxPollRecords: 5,
@@ -342,10 +335,7 @@ func testTopicRecreatedWhilePaused(t *testing.T, other bool) {
 		}
 	}()
 	defer func() { close(stopOther); <-otherDone }()
-	adm := outsiderProducer(t, addrs)
-	kmsgDeleteTopic(t, adm, "orders")
-	kmsgCreateTopic(t, adm, "orders", 2)
-	fresh := manualProducer(t, addrs) // cl knows the old topic's id
+	fresh := recreateTopic(t, addrs, "orders", 2)
 	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
 	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
 	deadline := time.Now().Add(30 * time.Second)

@@ -60,10 +60,7 @@ func testSlowOldWorker(t *testing.T, opts []kfake.Opt) {
 	waitBounded(t, 15*time.Second, "old0 partly applied, old1 applied", func() bool {
 		return appliedCount(t, pool, "old0") >= 3 && appliedCount(t, pool, "old1") == 10
 	})
-	adm := outsiderProducer(t, addrs)
-	kmsgDeleteTopic(t, adm, "orders")
-	kmsgCreateTopic(t, adm, "orders", 2)
-	fresh := manualProducer(t, addrs)
+	fresh := recreateTopic(t, addrs, "orders", 2)
 	produceTopic(t, fresh, "orders", 0, "new0", 0, 40)
 	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
 	var bad []string
@@ -161,41 +158,19 @@ func TestRecreatedTopicDeletedThenCreatedLater(t *testing.T) {
 // is prompt. Holds on main.
 func TestRecreatedTopicFewerPartitions(t *testing.T) {
 	t.Parallel()
-	addrs := cluster(t, 2, "orders")
-	pool := db(t)
-	cl := manualProducer(t, addrs)
-	produceTopic(t, cl, "orders", 0, "old0", 0, 10)
-	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	addrs, pool := oldOrders(t, 10, 10)
 	var stuck atomic.Bool
-	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		if ev.EventID == "old1-3" {
-			stuck.Store(true)
-			<-ctx.Done()
-			return ctx.Err()
-		}
-		return applyOrder(ctx, tx, ev)
-	}
+	handler := stuckUntilCancelled("old1-3", &stuck)
 	var left atomic.Value
 	r := startConsumer(t, pool, kafka.ConsumerConfig{Brokers: addrs, Group: "fewer", CommitInterval: 100 * time.Millisecond,
 		Handlers: []idem.EventHandler{orderConsumer("orders", handler)}}, nil,
 		func(c *kafka.Consumer) {
-			kafka.SetBeforePurge(c, func(topic string) {
-				var l []int32
-				for p := range int32(2) {
-					if _, _, _, _, ok := kafka.WorkerHolds(c, topic, p); ok {
-						l = append(l, p)
-					}
-				}
-				left.Store(fmt.Sprint(l))
-			})
+			kafka.SetBeforePurge(c, func(topic string) { left.Store(fmt.Sprint(workersOf(c, topic, 2))) })
 		})
 	waitBounded(t, 15*time.Second, "old0 applied, old1 stuck", func() bool {
 		return appliedCount(t, pool, "old0") == 10 && stuck.Load()
 	})
-	adm := outsiderProducer(t, addrs)
-	kmsgDeleteTopic(t, adm, "orders")
-	kmsgCreateTopic(t, adm, "orders", 1)
-	fresh := manualProducer(t, addrs)
+	fresh := recreateTopic(t, addrs, "orders", 1)
 	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
 	waitBounded(t, 30*time.Second, "the new instance's partition consumed", func() bool { return appliedCount(t, pool, "new0") == 10 })
 	wantAppliedInOrder(t, pool, "new0", 10)
@@ -219,20 +194,9 @@ func TestRecreatedTopicFewerPartitions(t *testing.T) {
 // new instance from its start, each record once, in order. Holds on main.
 func TestRecreatedTopicShutdownAtPurge(t *testing.T) {
 	t.Parallel()
-	addrs := cluster(t, 2, "orders")
-	pool := db(t)
-	cl := manualProducer(t, addrs)
-	produceTopic(t, cl, "orders", 0, "old0", 0, 10)
-	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
+	addrs, pool := oldOrders(t, 10, 10)
 	var stuck atomic.Bool
-	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		if ev.EventID == "old0-3" {
-			stuck.Store(true)
-			<-ctx.Done()
-			return ctx.Err()
-		}
-		return applyOrder(ctx, tx, ev)
-	}
+	handler := stuckUntilCancelled("old0-3", &stuck)
 	var r *running
 	atPurge := make(chan struct{})
 	var once sync.Once
@@ -244,10 +208,7 @@ func TestRecreatedTopicShutdownAtPurge(t *testing.T) {
 	waitBounded(t, 15*time.Second, "old1 applied, old0 stuck", func() bool {
 		return appliedCount(t, pool, "old1") == 10 && stuck.Load()
 	})
-	adm := outsiderProducer(t, addrs)
-	kmsgDeleteTopic(t, adm, "orders")
-	kmsgCreateTopic(t, adm, "orders", 2)
-	fresh := manualProducer(t, addrs)
+	fresh := recreateTopic(t, addrs, "orders", 2)
 	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
 	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
 	select {

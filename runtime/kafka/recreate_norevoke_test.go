@@ -5,10 +5,12 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemgen/idemgen/runtime/idem"
@@ -36,18 +38,8 @@ import (
 // goes: when the topic is purged, no worker of it is left.
 func TestTopicRecreatedWithoutRevoke(t *testing.T) {
 	t.Parallel()
-	addrs := cluster(t, 2, "orders")
-	pool := db(t)
-	cl := manualProducer(t, addrs)
-	produceTopic(t, cl, "orders", 0, "old0", 0, 40)
-	produceTopic(t, cl, "orders", 1, "old1", 0, 10)
-	handler := func(ctx context.Context, tx pgx.Tx, ev order) error {
-		if ev.EventID == "old0-2" {
-			<-ctx.Done()
-			return ctx.Err()
-		}
-		return applyOrder(ctx, tx, ev)
-	}
+	addrs, pool := oldOrders(t, 40, 10)
+	handler := stuckUntilCancelled("old0-2", nil)
 	var mu sync.Mutex
 	var atPurge []string
 	purged := make(chan struct{}, 1)
@@ -77,10 +69,7 @@ func TestTopicRecreatedWithoutRevoke(t *testing.T) {
 		_, _, busy, paused, _ := kafka.WorkerHolds(r.c, "orders", 0)
 		return busy && paused && appliedCount(t, pool, "old1") == 10
 	})
-	adm := outsiderProducer(t, addrs)
-	kmsgDeleteTopic(t, adm, "orders")
-	kmsgCreateTopic(t, adm, "orders", 2)
-	fresh := manualProducer(t, addrs) // cl knows the old topic's id
+	fresh := recreateTopic(t, addrs, "orders", 2)
 	produceTopic(t, fresh, "orders", 0, "new0", 0, 10)
 	produceTopic(t, fresh, "orders", 1, "new1", 0, 10)
 	select {
@@ -103,4 +92,53 @@ func TestTopicRecreatedWithoutRevoke(t *testing.T) {
 	if n := appliedCount(t, pool, "old0"); n != 2 {
 		t.Errorf("%d old0 records applied, want 2 (old0-0, old0-1: the worker stuck on old0-2 is stopped, its queue dropped)", n)
 	}
+}
+
+// stuckUntilCancelled is a handler that applies every order but id, on
+// which it waits for its context (setting stuck first) and fails with it.
+func stuckUntilCancelled(id string, stuck *atomic.Bool) func(context.Context, pgx.Tx, order) error {
+	return func(ctx context.Context, tx pgx.Tx, ev order) error {
+		if ev.EventID == id {
+			if stuck != nil {
+				stuck.Store(true)
+			}
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return applyOrder(ctx, tx, ev)
+	}
+}
+
+// recreateTopic deletes topic and creates it again with partitions
+// partitions, and returns a producer that knows the new instance (a client
+// that produced to the old one keeps its topic ID).
+func recreateTopic(t *testing.T, addrs []string, topic string, partitions int32) *kgo.Client {
+	t.Helper()
+	adm := outsiderProducer(t, addrs)
+	kmsgDeleteTopic(t, adm, topic)
+	kmsgCreateTopic(t, adm, topic, partitions)
+	return manualProducer(t, addrs)
+}
+
+// workersOf lists the partitions below partitions of topic that have a
+// worker in c's running Run.
+func workersOf(c *kafka.Consumer, topic string, partitions int32) []int32 {
+	var l []int32
+	for p := range partitions {
+		if _, _, _, _, ok := kafka.WorkerHolds(c, topic, p); ok {
+			l = append(l, p)
+		}
+	}
+	return l
+}
+
+// oldOrders starts a cluster whose topic orders has two partitions holding
+// n0 records old0-0… and n1 records old1-0…, and a fresh database.
+func oldOrders(t *testing.T, n0, n1 int) ([]string, *pgxpool.Pool) {
+	t.Helper()
+	addrs := cluster(t, 2, "orders")
+	cl := manualProducer(t, addrs)
+	produceTopic(t, cl, "orders", 0, "old0", 0, n0)
+	produceTopic(t, cl, "orders", 1, "old1", 0, n1)
+	return addrs, db(t)
 }
